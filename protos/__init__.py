@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC code (never hand-edited)."""

@@ -1,0 +1,43 @@
+"""Self-attention over the stage's paged KV cache, tensor-parallel over heads."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.paged_attention import paged_attention_ref, write_kv_ref
+from kernels.rotary import apply_rope_ref
+from stage_worker.forward_context import ForwardContext
+from stage_worker.layers.linear import QKVParallelLinear, RowParallelLinear
+from stage_worker.parallel import TPGroup, shard_heads
+
+
+class PagedSelfAttention(nn.Module):
+    """x [T, H] -> [T, H]: QKV (column parallel), rope, write K/V to the pool, attend,
+    output projection (row parallel, all-reduced)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        heads = shard_heads(num_heads, num_kv_heads, tp.size, tp.rank)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, bias, dtype)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, False, tp, dtype,
+                                        in_range=(heads.q_start * head_dim,
+                                                  heads.q_end * head_dim))
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        t, d = x.shape[0], self.head_dim
+        q = qkv[:, :q_size].view(t, -1, d)
+        k = qkv[:, q_size:q_size + kv_size].view(t, -1, d)
+        v = qkv[:, q_size + kv_size:].view(t, -1, d)
+        q = apply_rope_ref(q, ctx.cos, ctx.sin)
+        k = apply_rope_ref(k, ctx.cos, ctx.sin)
+        k_cache, v_cache = kv_cache
+        write_kv_ref(k, v, k_cache, v_cache, ctx.slot_mapping)
+        out = paged_attention_ref(q, k_cache, v_cache, ctx.attn, self.scale)
+        return self.o_proj(out.reshape(t, -1))

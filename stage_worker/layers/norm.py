@@ -1,0 +1,22 @@
+"""RMSNorm layer (replicated on every TP rank)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.rms_norm import rms_norm_ref
+from stage_worker.layers.weights import WeightSource, copy_checked
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_ref(x, self.weight, self.eps)
+
+    def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
+        copy_checked(self.weight, src[:], name)

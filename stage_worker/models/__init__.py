@@ -1,0 +1,1 @@
+"""Model definitions: they compose parallel layers and nothing else."""

@@ -1,0 +1,98 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) for one pipeline stage.
+
+The stage builds only its layers: the embedding on the first stage, the final norm and the
+LM head on the last. Module names follow the HF checkpoint (`model.layers.<global index>`)
+so the loader maps tensors by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.activation import silu_and_mul_ref
+from stage_worker.forward_context import ForwardContext
+from stage_worker.layers.attention import PagedSelfAttention
+from stage_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from stage_worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from stage_worker.layers.norm import RMSNorm
+from stage_worker.model_config import ModelConfig
+from stage_worker.parallel import TPGroup
+from stage_worker.partition import LayerRange
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], tp, dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = PagedSelfAttention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.attention_bias, tp, dtype,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype)
+
+    def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                ctx: ForwardContext) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), kv_cache, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaInner(nn.Module):
+    """HF's `model.*`: embedding (first stage), this stage's layers, final norm (last)."""
+
+    def __init__(self, cfg: ModelConfig, layers: LayerRange, tp: TPGroup,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+                             if layers.is_first else None)
+        # Keyed by global layer index so parameter names match the checkpoint's.
+        self.layers = nn.ModuleDict({
+            str(i): LlamaDecoderLayer(cfg, tp, dtype) for i in range(layers.start, layers.end)
+        })
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if layers.is_last else None
+
+
+class LlamaStageModel(nn.Module):
+    """One stage of the model.
+
+    forward(input, kv_caches, ctx):
+        input: token ids [T] on the first stage, hidden states [T, H] on the others
+        kv_caches: one (k, v) pair per local layer, in layer order
+    returns hidden states [T, H] (final-normed on the last stage); `compute_logits` turns the
+    rows that sample into logits [S, V].
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: LayerRange, tp: TPGroup,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_range = layers
+        self.model = LlamaInner(cfg, layers, tp, dtype)
+        self.lm_head = (ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+                        if layers.is_last else None)
+        if self.lm_head is not None and self.model.embed_tokens is not None \
+                and cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one copy when both are here
+
+    def forward(self, inputs: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
+        for layer, kv in zip(self.model.layers.values(), kv_caches, strict=True):
+            x = layer(x, kv, ctx)
+        return self.model.norm(x) if self.model.norm is not None else x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "logits are computed on the last stage only"
+        return self.lm_head(hidden).float()

@@ -1,0 +1,111 @@
+"""Offline generation: every stage of a pipeline in one process, no services.
+
+This drives the runtime directly (the `stagemesh generate` command, tests, and runtime
+benchmarks). Serving goes through the router and stage services instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stage_worker.model_config import ModelConfig
+from stage_worker.parallel import TPGroup
+from stage_worker.partition import partition_layers
+from stage_worker.runner import StageRunner, StageRunnerConfig
+from stage_worker.step_input import SeqChunk
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible (use --device cpu)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on GPU, fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class LocalPipelineConfig:
+    model_dir: Path
+    num_stages: int = 1
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable)
+    block_size: int = 16
+    num_blocks: int = 256
+    layer_override: tuple[int, ...] | None = None
+
+
+class LocalPipeline:
+    """The stages of one pipeline chained in-process: ids -> stage 0 -> ... -> logits."""
+
+    def __init__(self, cfg: LocalPipelineConfig, tp: TPGroup | None = None) -> None:
+        """`tp`: this process's TP group, shared by its stages (every rank runs the same
+        steps; logits are gathered so each rank sees all of them)."""
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_dir(cfg.model_dir)
+        ranges = partition_layers(self.model_cfg.num_layers, cfg.num_stages, cfg.layer_override)
+        self.stages = [
+            StageRunner(StageRunnerConfig(cfg.model_dir, r, cfg.dtype, cfg.device,
+                                          cfg.block_size, cfg.num_blocks), self.model_cfg, tp)
+            for r in ranges
+        ]
+
+    def step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] -> logits [S_sampling, V] (fp32)."""
+        x = token_ids
+        for stage in self.stages:
+            x = stage.execute(chunks, x)
+        return x
+
+
+def greedy_generate(pipe: LocalPipeline, prompts: Sequence[Sequence[int]],
+                    max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Batched greedy decoding: one mixed prefill step, then batched decode steps.
+
+    Blocks are handed out contiguously per sequence, sized for prompt + max_new_tokens.
+    Returns the generated ids per prompt (a stop id ends a sequence and is included).
+    """
+    block = pipe.cfg.block_size
+    tables, next_block = [], 0
+    for p in prompts:
+        n = -(-(len(p) + max_new_tokens) // block)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    if next_block > pipe.cfg.num_blocks:
+        raise ValueError(f"need {next_block} KV blocks, pool has {pipe.cfg.num_blocks}")
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    chunks = [SeqChunk(i, 0, len(p), tables[i]) for i, p in enumerate(prompts)]
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+    while live:
+        next_ids = pipe.step(chunks, ids).argmax(dim=-1).tolist()
+        still = []
+        for i, tok in zip(live, next_ids, strict=True):
+            outputs[i].append(tok)
+            if tok not in stop_ids and len(outputs[i]) < max_new_tokens:
+                still.append(i)
+        live = still
+        chunks = [SeqChunk(i, len(prompts[i]) + len(outputs[i]) - 1, 1, tables[i]) for i in live]
+        ids = torch.tensor([outputs[i][-1] for i in live], dtype=torch.long)
+    return outputs
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`stagemesh generate`: answer prompts on the model, one process, greedy or sampled."""
+    from stage_worker.offline_cli import generate_command
+
+    return generate_command(args)
+

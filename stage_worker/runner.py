@@ -1,0 +1,138 @@
+"""The stage runner: builds this stage's layers, loads their weights, owns the KV pool and
+every device call, and executes one step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.rotary import rope_inv_freq
+from stage_worker.kv_pool import KVPool, KVPoolShape
+from stage_worker.loader import load_stage_weights
+from stage_worker.model_config import ModelConfig
+from stage_worker.models.llama import LlamaStageModel
+from stage_worker.parallel import TPGroup, shard_heads
+from stage_worker.partition import LayerRange
+from stage_worker.step_input import SeqChunk, build_context, sample_rows
+
+log = logging.getLogger("stagemesh.runner")
+
+CPU_DEFAULT_KV_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class StageRunnerConfig:
+    """How to build one stage on one TP rank.
+
+    num_blocks fixes the pool size (tests); otherwise the pool takes `kv_cache_bytes`, or on
+    CUDA `gpu_memory_utilization` of the card minus weights and the profiled activation peak.
+    """
+
+    model_dir: Path
+    layers: LayerRange
+    dtype: torch.dtype
+    device: torch.device
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048
+
+
+class StageRunner:
+    """Runs this stage's slice of the model over a paged KV pool."""
+
+    def __init__(self, cfg: StageRunnerConfig, model_cfg: ModelConfig,
+                 tp: TPGroup | None = None) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.tp = tp or TPGroup()
+        started = time.monotonic()
+        with torch.device(cfg.device):
+            self.model = LlamaStageModel(model_cfg, cfg.layers, self.tp, cfg.dtype)
+        load_stage_weights(self.model, cfg.model_dir, model_cfg.tie_word_embeddings)
+        self.model.eval()
+        scaling = model_cfg.rope_scaling
+        self.inv_freq = rope_inv_freq(
+            model_cfg.head_dim, model_cfg.rope_theta,
+            None if scaling is None else (scaling.factor, scaling.low_freq_factor,
+                                          scaling.high_freq_factor,
+                                          scaling.original_max_position_embeddings),
+        )
+        heads = shard_heads(model_cfg.num_heads, model_cfg.num_kv_heads, self.tp.size,
+                            self.tp.rank)
+        self._pool_shape = KVPoolShape(len(cfg.layers), 0, cfg.block_size, heads.num_kv,
+                                       model_cfg.head_dim, cfg.dtype)
+        num_blocks = cfg.num_blocks if cfg.num_blocks is not None else self._blocks_that_fit()
+        self.kv = KVPool(
+            KVPoolShape(len(cfg.layers), num_blocks, cfg.block_size, heads.num_kv,
+                        model_cfg.head_dim, cfg.dtype),
+            cfg.device,
+        )
+        log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens",
+                 cfg.layers.start, cfg.layers.end - 1, time.monotonic() - started,
+                 num_blocks, cfg.block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape.num_blocks
+
+    @property
+    def is_first(self) -> bool:
+        return self.cfg.layers.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.cfg.layers.is_last
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
+        """Run one step.
+
+        inputs: token ids [T] (int64) on the first stage, hidden states [T, H] elsewhere, T
+        being the sum of the chunks' num_new, in chunk order.
+        Returns hidden states [T, H] on a non-last stage; on the last stage, fp32 logits
+        [S, V] for the chunks with `sample` set, in chunk order.
+        """
+        ctx = build_context(chunks, self.cfg.block_size, self.inv_freq, self.cfg.device)
+        hidden = self.model(inputs.to(self.cfg.device), self.kv.layers(), ctx)
+        if not self.is_last:
+            return hidden
+        rows = torch.tensor(sample_rows(chunks), dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _blocks_that_fit(self) -> int:
+        if self.cfg.kv_cache_bytes is not None:
+            return self._pool_shape.blocks_that_fit(self.cfg.kv_cache_bytes)
+        if self.cfg.device.type != "cuda":
+            return self._pool_shape.blocks_that_fit(CPU_DEFAULT_KV_BYTES)
+        return self._profile_cuda()
+
+    def _profile_cuda(self) -> int:
+        """Run the largest step once over a scratch pool; the KV pool gets what is left
+        under `gpu_memory_utilization` after weights and that activation peak."""
+        tokens = self.cfg.max_num_batched_tokens
+        blocks = -(-tokens // self.cfg.block_size)
+        shape = self._pool_shape
+        self.kv = KVPool(KVPoolShape(shape.num_layers, blocks, shape.block_size, shape.kv_heads,
+                                     shape.head_dim, shape.dtype), self.cfg.device)
+        torch.cuda.reset_peak_memory_stats(self.cfg.device)
+        chunk = SeqChunk(0, 0, tokens, list(range(blocks)), sample=True)
+        dummy = (torch.zeros(tokens, dtype=torch.long) if self.is_first else
+                 torch.zeros(tokens, self.model_cfg.hidden_size, dtype=self.cfg.dtype))
+        self.execute([chunk], dummy)
+        torch.cuda.synchronize(self.cfg.device)
+        peak = torch.cuda.max_memory_allocated(self.cfg.device)
+        del self.kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.cfg.device)
+        used_elsewhere = total - free - torch.cuda.memory_allocated(self.cfg.device)
+        budget = int(total * self.cfg.gpu_memory_utilization) - peak - used_elsewhere
+        log.info("profile: peak %.2f GiB over %d tokens; KV budget %.2f GiB",
+                 peak / 2**30, tokens, budget / 2**30)
+        return shape.blocks_that_fit(budget)

@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedModel
+
+from tests.stage_worker.tiny_checkpoints import VARIANTS, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", params=sorted(VARIANTS))
+def tiny_checkpoint(request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+    """(checkpoint dir, the HF model that wrote it) for every tiny variant."""
+    out = tmp_path_factory.mktemp(request.param)
+    return out, write_tiny_checkpoint(request.param, out)
