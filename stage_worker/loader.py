@@ -10,11 +10,14 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from torch import nn
+
+from stage_worker.layers.weights import TensorSource
 
 log = logging.getLogger("stagemesh.loader")
 
@@ -44,7 +47,7 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
 
-def _wanted(model: nn.Module, tied: bool, names: dict[str, Path]
+def _wanted(model: nn.Module, tied: bool, names: Mapping[str, object]
             ) -> Iterator[tuple[nn.Module, str, str, str | int | None]]:
     """Yield (module, checkpoint tensor name, param name, shard) for every loadable param."""
     seen: set[int] = set()
@@ -92,3 +95,16 @@ def load_stage_weights(model: nn.Module, model_dir: Path, tied: bool) -> int:
     log.info("loaded %d tensors from %d file(s) in %.1fs", total, len(by_file),
              time.monotonic() - started)
     return total
+
+
+def load_stage_weights_from_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor],
+                                    tied: bool) -> int:
+    """Like `load_stage_weights`, from tensors already in memory under checkpoint names
+    (benchmarks that share one random model with HF transformers)."""
+    count = 0
+    for module, ckpt_name, _pname, shard in _wanted(model, tied, dict.fromkeys(tensors)):
+        if ckpt_name not in tensors:
+            raise WeightLoadError(f"no tensor {ckpt_name!r} among the given weights")
+        module.load(ckpt_name, TensorSource(tensors[ckpt_name]), shard)  # type: ignore[operator]
+        count += 1
+    return count

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import torch
 
 from kernels.rotary import rope_inv_freq
 from stage_worker.kv_pool import KVPool, KVPoolShape
-from stage_worker.loader import load_stage_weights
+from stage_worker.loader import load_stage_weights, load_stage_weights_from_tensors
 from stage_worker.model_config import ModelConfig
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.parallel import TPGroup, shard_heads
@@ -48,14 +48,20 @@ class StageRunner:
     """Runs this stage's slice of the model over a paged KV pool."""
 
     def __init__(self, cfg: StageRunnerConfig, model_cfg: ModelConfig,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None,
+                 weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """`weights`: tensors in memory under checkpoint names, instead of reading
+        `cfg.model_dir` (benchmarks sharing one random model with a reference)."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.tp = tp or TPGroup()
         started = time.monotonic()
         with torch.device(cfg.device):
             self.model = LlamaStageModel(model_cfg, cfg.layers, self.tp, cfg.dtype)
-        load_stage_weights(self.model, cfg.model_dir, model_cfg.tie_word_embeddings)
+        if weights is None:
+            load_stage_weights(self.model, cfg.model_dir, model_cfg.tie_word_embeddings)
+        else:
+            load_stage_weights_from_tensors(self.model, weights, model_cfg.tie_word_embeddings)
         self.model.eval()
         scaling = model_cfg.rope_scaling
         self.inv_freq = rope_inv_freq(

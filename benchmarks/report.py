@@ -1,0 +1,47 @@
+"""Shared reporting for benchmark scripts: configuration header, table, JSON with revision."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def git_revision() -> str:
+    """The revision under test: $STAGEMESH_REV (set where the tree has no .git), else git."""
+    if rev := os.environ.get("STAGEMESH_REV"):
+        return rev
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    cols = list(rows[0])
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_json(path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"date": dt.date.today().isoformat(), "revision": git_revision(), "config": config,
+           "results": rows}
+    path.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {path}")

@@ -1,0 +1,178 @@
+"""The stage runtime against HF transformers on one GPU, same random weights, same inputs.
+
+Checks logits (prefill and teacher-forced decode) and times decode steps at several batch
+sizes beside HF's forward loop (DynamicCache), plus the card's roofline measured in the
+same run. Usage (on the GPU machine):
+
+    python -m benchmarks.runtime_vs_hf --shape llama3-8b --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.report import git_revision, print_table, write_json
+from benchmarks.shapes import SHAPES
+from stage_worker.model_config import ModelConfig
+from stage_worker.partition import LayerRange
+from stage_worker.runner import StageRunner, StageRunnerConfig
+from stage_worker.step_input import SeqChunk
+
+
+def cuda_time_ms(fn: Callable[[], object], reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def roofline() -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and dense bf16 matmul rate, measured now."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = statistics.median(cuda_time_ms(lambda: dst.copy_(src), 10))
+    bw = 2 * src.numel() * 2 / (ms / 1e3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ms = statistics.median(cuda_time_ms(lambda: a @ b, 10))
+    return {"copy_TBps": bw / 1e12, "bf16_TFLOPs": 2 * 8192**3 / (ms / 1e3) / 1e12}
+
+
+def build_models(shape: str, num_blocks: int) -> tuple[Any, StageRunner, ModelConfig]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(**SHAPES[shape])
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    layers = LayerRange(0, cfg.num_layers, True, True)
+    runner = StageRunner(
+        StageRunnerConfig(Path("."), layers, torch.bfloat16, torch.device("cuda"),
+                          block_size=16, num_blocks=num_blocks),
+        cfg, weights=dict(hf.state_dict()),
+    )
+    return hf, runner, cfg
+
+
+@torch.inference_mode()
+def check_logits(hf: Any, runner: StageRunner, vocab: int, prompt_len: int = 128,
+                 decode_steps: int = 16, seqs: int = 4) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (seqs, prompt_len + decode_steps), generator=gen)
+    blocks = -(-(prompt_len + decode_steps) // 16)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(seqs)]
+    ref = hf(ids.cuda()).logits.float()  # [seqs, L, V]
+    ours = [runner.execute([SeqChunk(i, 0, prompt_len, tables[i]) for i in range(seqs)],
+                           ids[:, :prompt_len].reshape(-1))]
+    refs = [ref[:, prompt_len - 1]]
+    for k in range(decode_steps - 1):
+        pos = prompt_len + k
+        ours.append(runner.execute([SeqChunk(i, pos, 1, tables[i]) for i in range(seqs)],
+                                   ids[:, pos]))
+        refs.append(ref[:, pos])
+    got, want = torch.stack(ours), torch.stack(refs)
+    diff = (got - want).float()
+    return {
+        "max_abs_diff": diff.abs().max().item(),
+        "ref_max_abs": want.abs().max().item(),
+        "rel_l2_err": (diff.norm() / want.norm()).item(),
+        "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+    }
+
+
+@torch.inference_mode()
+def ours_decode_ms(runner: StageRunner, vocab: int, batch: int, ctx: int, steps: int) -> float:
+    blocks = -(-(ctx + steps + 8) // 16)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    ids = torch.randint(0, vocab, (batch, ctx))
+    for start in range(0, batch, 8):  # prefill in groups to bound activation memory
+        group = range(start, min(batch, start + 8))
+        runner.execute([SeqChunk(i, 0, ctx, tables[i]) for i in group],
+                       ids[list(group)].reshape(-1))
+    pos = ctx
+    nxt = torch.randint(0, vocab, (batch,))
+
+    def step() -> None:
+        nonlocal pos
+        runner.execute([SeqChunk(i, pos, 1, tables[i]) for i in range(batch)], nxt)
+        pos += 1
+
+    for _ in range(3):
+        step()
+    return statistics.median(cuda_time_ms(step, steps))
+
+
+@torch.inference_mode()
+def hf_decode_ms(hf: Any, vocab: int, batch: int, ctx: int, steps: int) -> float:
+    ids = torch.randint(0, vocab, (batch, ctx), device="cuda")
+    out = hf(ids, use_cache=True)
+    past = out.past_key_values
+    nxt = out.logits[:, -1:].argmax(-1)
+
+    def step() -> None:
+        nonlocal past, nxt
+        o = hf(nxt, past_key_values=past, use_cache=True)
+        past, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+
+    for _ in range(3):
+        step()
+    return statistics.median(cuda_time_ms(step, steps))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path("runtime_vs_hf.json"))
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    config = {"shape": args.shape, "dtype": "bfloat16", "stages": 1, "tp": 1,
+              "context": args.ctx, "kernels": "torch reference (no Triton, no CUDA graphs)",
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "revision": git_revision()}
+    print(config)
+    t0 = time.monotonic()
+    roof = roofline()
+    print(f"roofline: {roof}")
+    hf, runner, cfg = build_models(args.shape, num_blocks=64 * 48)
+    print(f"models built in {time.monotonic() - t0:.0f}s")
+    logits = check_logits(hf, runner, cfg.vocab_size)
+    print(f"logits vs HF (bf16): {logits}")
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    rows = []
+    for b in batches:
+        kv_bytes = b * args.ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        floor_ms = (weight_bytes + kv_bytes) / (roof["copy_TBps"] * 1e12) * 1e3
+        ours = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
+        theirs = hf_decode_ms(hf, cfg.vocab_size, b, args.ctx, args.steps)
+        rows.append({"batch": b, "ours_ms": ours, "hf_forward_loop_ms": theirs,
+                     "speedup_vs_hf": theirs / ours, "roofline_ms": floor_ms,
+                     "ours_tok_s": b / ours * 1e3})
+        torch.cuda.empty_cache()
+    write_json(args.out, {**config, "roofline": roof, "logits_vs_hf": logits}, rows)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
