@@ -17,7 +17,9 @@ from stage_worker.model_config import ModelConfig
 from stage_worker.parallel import TPGroup
 from stage_worker.partition import partition_layers
 from stage_worker.runner import StageRunner, StageRunnerConfig
+from stage_worker.sampling import Sampler, SamplingBatch
 from stage_worker.step_input import SeqChunk
+from stagemesh.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,9 +73,11 @@ class LocalPipeline:
         return x
 
 
-def greedy_generate(pipe: LocalPipeline, prompts: Sequence[Sequence[int]],
-                    max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
-    """Batched greedy decoding: one mixed prefill step, then batched decode steps.
+def generate(pipe: LocalPipeline, prompts: Sequence[Sequence[int]],
+             params: Sequence[SamplingParams], max_new_tokens: int,
+             stop_ids: Sequence[int] = ()) -> list[list[int]]:
+    """Batched generation: one mixed prefill step, then batched decode steps, sampled on
+    tensors by the last stage's `Sampler`.
 
     Blocks are handed out contiguously per sequence, sized for prompt + max_new_tokens.
     Returns the generated ids per prompt (a stop id ends a sequence and is included).
@@ -86,12 +90,17 @@ def greedy_generate(pipe: LocalPipeline, prompts: Sequence[Sequence[int]],
         next_block += n
     if next_block > pipe.cfg.num_blocks:
         raise ValueError(f"need {next_block} KV blocks, pool has {pipe.cfg.num_blocks}")
+    sampler = Sampler()
     outputs: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     chunks = [SeqChunk(i, 0, len(p), tables[i]) for i, p in enumerate(prompts)]
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
     while live:
-        next_ids = pipe.step(chunks, ids).argmax(dim=-1).tolist()
+        logits = pipe.step(chunks, ids)
+        batch = SamplingBatch.build([params[i] for i in live], [prompts[i] for i in live],
+                                    [outputs[i] for i in live], [len(outputs[i]) for i in live],
+                                    pipe.model_cfg.vocab_size, logits.device)
+        next_ids = sampler(logits, batch).token_ids.tolist()
         still = []
         for i, tok in zip(live, next_ids, strict=True):
             outputs[i].append(tok)
@@ -101,6 +110,13 @@ def greedy_generate(pipe: LocalPipeline, prompts: Sequence[Sequence[int]],
         chunks = [SeqChunk(i, len(prompts[i]) + len(outputs[i]) - 1, 1, tables[i]) for i in live]
         ids = torch.tensor([outputs[i][-1] for i in live], dtype=torch.long)
     return outputs
+
+
+def greedy_generate(pipe: LocalPipeline, prompts: Sequence[Sequence[int]],
+                    max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+    """`generate` with temperature 0 for every prompt."""
+    greedy = [SamplingParams(temperature=0.0)] * len(prompts)
+    return generate(pipe, prompts, greedy, max_new_tokens, stop_ids)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -1,0 +1,108 @@
+"""Per-request sampling parameters, shared by the router (validation) and the last stage
+(sampling). Torch-free on purpose: the router imports this module and must not load torch.
+
+Defaults follow vLLM / the OpenAI API, so a request that sets nothing samples from the
+model's plain softmax at temperature 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NoReturn
+
+# Temperatures below this count as greedy, as in vLLM: dividing logits by a smaller
+# temperature only makes the distribution one-hot anyway, and risks overflow in float32.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+# OpenAI's range for presence_penalty and frequency_penalty.
+MAX_ABS_OPENAI_PENALTY = 2.0
+
+# torch.Generator.manual_seed accepts any integer in this range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range. `field` names the parameter; the message says
+    what the limit is and what was given. Mapped once, at the edge, to INVALID_ARGUMENT/400."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token of one sequence.
+
+    temperature: 0 (anything below GREEDY_TEMPERATURE_EPS) means greedy argmax.
+    top_k: keep the k most likely tokens; -1 or 0 turns it off.
+    top_p: keep the smallest set of most likely tokens whose probability sums to >= top_p.
+    min_p: drop tokens whose probability is below min_p times the most likely token's.
+    seed: if set, the draw depends only on (seed, position in the output), not on the batch.
+    repetition_penalty: HF/vLLM semantics, over prompt and output tokens: a seen token's
+        logit is divided by it when positive and multiplied by it when negative; 1 is off.
+    presence_penalty, frequency_penalty: OpenAI semantics, over output tokens only:
+        logit -= presence * (count > 0) + frequency * count; 0 is off.
+    logprobs: None returns no log-probabilities; k >= 0 returns the sampled token's
+        log-probability plus the k most likely alternatives.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int, max_logprobs: int) -> None:
+        """Raise SamplingParamsError for the first field that is out of range.
+
+        Args:
+            vocab_size: the model's vocabulary size; bounds top_k.
+            max_logprobs: the server's limit on `logprobs`.
+        """
+        t = self.temperature
+        if not (math.isfinite(t) and t >= 0.0):
+            _fail("temperature", f"must be a finite number >= 0, got {t}")
+        if not (self.top_k in (-1, 0) or 1 <= self.top_k <= vocab_size):
+            _fail("top_k", f"must be -1 or 0 (off) or in [1, {vocab_size}], got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            _fail("seed", f"must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
+        rp = self.repetition_penalty
+        if not (math.isfinite(rp) and rp > 0.0):
+            _fail("repetition_penalty", f"must be a finite number > 0, got {rp}")
+        for name, value in (
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ):
+            if not -MAX_ABS_OPENAI_PENALTY <= value <= MAX_ABS_OPENAI_PENALTY:
+                limit = MAX_ABS_OPENAI_PENALTY
+                _fail(name, f"must be in [{-limit}, {limit}], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            _fail("logprobs", f"must be None or in [0, {max_logprobs}], got {self.logprobs}")
+
+
+def _fail(field: str, what: str) -> NoReturn:
+    raise SamplingParamsError(field, f"{field} {what}")
