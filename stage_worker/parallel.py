@@ -19,6 +19,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    # A gloo group over the same ranks for host-side control traffic (plans), so a NCCL
+    # device group never carries CPU bytes.
+    control: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -41,6 +44,25 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0 passes `data`; every rank returns it. Length first, then the bytes."""
+        if self.size == 1:
+            assert data is not None
+            return data
+        group = self.control or self.group
+        root = dist.get_global_rank(group, 0) if group is not None else 0
+        length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        dist.broadcast(length, src=root, group=group)
+        if self.rank == 0:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+                torch.empty(0, dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(length.item()), dtype=torch.uint8)
+        if buf.numel():
+            dist.broadcast(buf, src=root, group=group)
+        return data if data is not None else buf.numpy().tobytes()
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy rank `src`'s `x` (group rank) into every rank's `x`, in place."""
         if self.size == 1 or self.group is None:
@@ -62,7 +84,9 @@ def init_tp_group(rank: int, size: int, init_method: str, backend: str | None = 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
-    return TPGroup(rank, size, dist.group.WORLD)
+    world = dist.group.WORLD
+    control = world if backend == "gloo" else dist.new_group(backend="gloo")
+    return TPGroup(rank, size, world, control)
 
 
 def shard_range(total: int, rank: int, size: int, what: str) -> tuple[int, int]:

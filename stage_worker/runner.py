@@ -112,6 +112,16 @@ class StageRunner:
         rows = torch.tensor(sample_rows(chunks), dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden[rows])
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy KV block src -> dst in every layer (copy-on-write of shared blocks)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.cfg.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.cfg.device)
+        # cache: [layers, 2, blocks, ...]; one gather/scatter over all layers at once.
+        self.kv.cache[:, :, dst] = self.kv.cache[:, :, src]
+
     def _blocks_that_fit(self) -> int:
         if self.cfg.kv_cache_bytes is not None:
             return self._pool_shape.blocks_that_fit(self.cfg.kv_cache_bytes)

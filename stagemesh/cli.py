@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from stagemesh import __version__
+from stagemesh.cli_services import add_service_commands
 from stagemesh.modelstore import ModelError, fetch_default_model, resolve_model
 
 EXIT_MODEL_ERROR = 2  # also argparse's status for bad arguments: "the input was unusable"
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_fetch_model(commands)
     _add_generate(commands)
-    # `serve`, `router` and `stage` join here, one _add_<name> function each.
+    add_service_commands(commands)
     return parser
 
 

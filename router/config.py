@@ -1,0 +1,46 @@
+"""The router process's configuration, composed once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from router.requests import RequestLimits
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Attributes:
+        model_dir: HF-layout model directory (the router reads config and tokenizer only).
+        model_name: the name clients use in `model` fields.
+        stage_addresses: host:port of each stage's control service, in pipeline order.
+        host / port: the public gRPC listener.
+        max_model_len: context limit; 0 = the model's, capped by what the KV pool holds.
+        max_num_seqs / max_num_batched_tokens: per-step limits of the scheduler.
+        max_queued_requests / max_queued_tokens: admission limits (beyond: 429).
+        max_tokens_cap / max_n / max_logprobs...: request limits.
+        startup_budget_s: how long the stages may take to come up.
+        recovery_budget_s: how long requests wait for a failed stage before UNAVAILABLE.
+        step_timeout_s: a step without a result after this long marks the pipeline down.
+        drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
+        max_request_bytes: largest gRPC request accepted (beyond: RESOURCE_EXHAUSTED).
+    """
+
+    model_dir: Path
+    model_name: str
+    stage_addresses: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_model_len: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20
+    enable_prefix_caching: bool = True
+    limits: RequestLimits | None = None
+    request_limit_overrides: dict[str, int] = field(default_factory=dict)
+    startup_budget_s: float = 300.0
+    recovery_budget_s: float = 60.0
+    step_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0
+    max_request_bytes: int = 4 << 20

@@ -1,0 +1,89 @@
+"""Public protos <-> the router's domain objects. The only router module (with the
+servicer) that imports `stagemesh.v1` protos."""
+
+from __future__ import annotations
+
+import uuid
+
+from protos.stagemesh.v1 import inference_pb2 as pb
+from router.outputs import ChoiceDelta, Usage
+from router.requests import (
+    ChatMessage,
+    ChatPrompt,
+    FinishReason,
+    PromptInput,
+    RawGenerateRequest,
+    TextPrompt,
+    TokenPrompt,
+)
+from router.validation import ValidationError
+from stagemesh.sampling_params import SamplingParams
+
+_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
+           FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: pb.FINISH_REASON_ABORT, FinishReason.ERROR: pb.FINISH_REASON_ABORT}
+
+
+def _opt(msg: object, name: str, default: object) -> object:
+    return getattr(msg, name) if msg.HasField(name) else default  # type: ignore[attr-defined]
+
+
+def sampling_from_proto(msg: pb.SamplingParams, logprobs: int | None) -> SamplingParams:
+    seed = msg.seed if msg.HasField("seed") else None
+    return SamplingParams(
+        temperature=float(_opt(msg, "temperature", 1.0)),  # type: ignore[arg-type]
+        top_p=float(_opt(msg, "top_p", 1.0)),  # type: ignore[arg-type]
+        top_k=int(_opt(msg, "top_k", -1)),  # type: ignore[call-overload]
+        min_p=float(_opt(msg, "min_p", 0.0)),  # type: ignore[arg-type]
+        repetition_penalty=float(_opt(msg, "repetition_penalty", 1.0)),  # type: ignore[arg-type]
+        presence_penalty=float(_opt(msg, "presence_penalty", 0.0)),  # type: ignore[arg-type]
+        frequency_penalty=float(_opt(msg, "frequency_penalty", 0.0)),  # type: ignore[arg-type]
+        seed=seed, logprobs=logprobs,
+    )
+
+
+def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:
+    kind = msg.WhichOneof("input")
+    if kind == "text":
+        return TextPrompt(msg.text)
+    if kind == "token_ids":
+        assert isinstance(msg, pb.GenerateRequest)
+        return TokenPrompt(tuple(msg.token_ids.ids))
+    if kind == "chat":
+        return ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages))
+    raise ValidationError("input", "one of text, token_ids or chat must be given")
+
+
+def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
+    logprobs = msg.logprobs if msg.HasField("logprobs") else None
+    if logprobs is not None and logprobs < 0:
+        raise ValidationError("logprobs", f"logprobs must be >= 0, got {logprobs}")
+    return RawGenerateRequest(
+        request_id=msg.request_id or f"req-{uuid.uuid4().hex[:16]}",
+        prompt=prompt_from_proto(msg),
+        sampling=sampling_from_proto(msg.sampling, logprobs),
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        n=msg.n if msg.HasField("n") else 1,
+        priority=msg.priority,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+
+
+def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
+    logprobs = [
+        pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        for lp in delta.logprobs
+    ]
+    return pb.GenerateResponse(request_id=request_id, index=delta.index, text=delta.text,
+                               token_ids=delta.token_ids, logprobs=logprobs,
+                               finish_reason=_FINISH[delta.finish_reason])
+
+
+def usage_to_proto(request_id: str, usage: Usage) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=request_id, usage=pb.Usage(
+        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens))

@@ -1,0 +1,266 @@
+"""The router's engine: requests in, scheduler steps down the pipeline, deltas out.
+
+All state lives on one asyncio loop. A request's life: `submit` admits it into the scheduler
+and returns a stream; the step loop plans steps while the pipeline has room and sends them;
+each last-stage result goes through `Scheduler.update`, then every new token through its
+choice's stop rules; finished choices are reported back with `Scheduler.finish`. Aborts free
+blocks at once; the next plan tells the stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from router.choice import ChoiceState
+from router.outputs import (
+    ChoiceDelta,
+    FailureKind,
+    RequestDone,
+    RequestFailed,
+    StreamItem,
+    Usage,
+)
+from router.pipeline import Pipeline, PipelineShape, PipelineState
+from router.requests import FinishReason, GenerateRequest
+from router.scheduler import ChoiceSpec, Scheduler
+from router.scheduler import FinishReason as SchedFinish
+from router.stage_convert import plan_to_proto, tokens_from_result
+from router.tokenizer import ModelTokenizer
+
+log = logging.getLogger("stagemesh.router")
+
+_SCHED_REASON = {FinishReason.STOP: SchedFinish.STOP, FinishReason.LENGTH: SchedFinish.LENGTH,
+                 FinishReason.ABORT: SchedFinish.ABORTED}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    step_timeout_s: float = 30.0
+    recovery_budget_s: float = 60.0
+
+
+@dataclass
+class RequestState:
+    request: GenerateRequest
+    choices: dict[int, ChoiceState]  # seq_id -> choice
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    done: bool = False
+
+
+class Engine:
+    """Owns the scheduler and the pipeline; one instance per router."""
+
+    def __init__(self, cfg: EngineConfig, make_scheduler: Callable[[PipelineShape], Scheduler],
+                 pipeline: Pipeline, tokenizer: ModelTokenizer) -> None:
+        """`make_scheduler` builds the scheduler once the stages reported their capacity."""
+        self.cfg = cfg
+        self._make_scheduler = make_scheduler
+        self._scheduler: Scheduler | None = None
+        self.pipeline = pipeline
+        pipeline.on_result = self._on_result
+        pipeline.on_failure = self._on_failure
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.seq_owner: dict[int, RequestState] = {}
+        self.prompt_lens: dict[int, int] = {}
+        self._seq_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._sent_at: dict[int, float] = {}
+        self._down_since: float | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.requests_finished = 0
+
+    @property
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("the pipeline is still starting")
+        return self._scheduler
+
+    @property
+    def ready(self) -> bool:
+        return self._scheduler is not None and self.pipeline.state is PipelineState.READY
+
+    # --- requests -----------------------------------------------------------------------
+
+    def submit(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """Admit `req`. Raises the scheduler's AdmissionRefusedError / InvalidRequestError,
+        or RuntimeError when the pipeline is down past its recovery budget."""
+        if self.pipeline.state is not PipelineState.READY and self._down_since is not None \
+                and time.monotonic() - self._down_since > self.cfg.recovery_budget_s:
+            raise RuntimeError("the pipeline is down past its recovery budget")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already running")
+        seq_ids = [next(self._seq_ids) for _ in range(req.n)]
+        sampling = [req.sampling] * req.n
+        if req.sampling.seed is not None:  # choices of one seeded request must differ
+            sampling = [replace(req.sampling, seed=req.sampling.seed + i) for i in range(req.n)]
+        self.scheduler.add_request(
+            seq_ids[0], req.prompt_token_ids, sampling[0], priority=req.priority,
+            extra_choices=[ChoiceSpec(s, p) for s, p in zip(seq_ids[1:], sampling[1:],
+                                                            strict=True)])
+        stop_ids = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            stop_ids |= set(self.tokenizer.special.eos_ids)
+        state = RequestState(req, {
+            seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids,
+                             req.max_tokens, stop_ids, req.stop, req.include_stop_str_in_output,
+                             req.skip_special_tokens)
+            for i, seq in enumerate(seq_ids)
+        })
+        self.requests[req.request_id] = state
+        for seq in seq_ids:
+            self.seq_owner[seq] = state
+            self.prompt_lens[seq] = len(req.prompt_token_ids)
+        self._wake.set()
+        return self._stream(state)
+
+    async def _stream(self, state: RequestState) -> AsyncIterator[StreamItem]:
+        try:
+            while True:
+                item = await state.queue.get()
+                yield item
+                if isinstance(item, RequestDone | RequestFailed):
+                    return
+        finally:
+            if not state.done:  # the consumer went away (cancel, deadline, disconnect)
+                self.abort(state.request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state; its blocks are freed once. False if not live."""
+        state = self.requests.get(request_id)
+        if state is None or state.done:
+            return False
+        for seq, choice in state.choices.items():
+            if not choice.finished:
+                choice.abort()
+                self.scheduler.abort(seq)
+        self._close(state, None)
+        self._wake.set()
+        return True
+
+    # --- the step loop ------------------------------------------------------------------
+
+    async def start(self, budget_s: float) -> PipelineShape:
+        """Bring the pipeline up (within `budget_s`), build the scheduler, start stepping."""
+        shape = await self.pipeline.start(budget_s)
+        self._scheduler = self._make_scheduler(shape)
+        self._task = asyncio.create_task(self._loop(), name="router-step-loop")
+        return shape
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for request_id in list(self.requests):
+            self._fail(self.requests[request_id], FailureKind.UNAVAILABLE, "server stopping")
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.pipeline.state is PipelineState.DOWN:
+                await self._recover()
+                continue
+            while self.pipeline.state is PipelineState.READY:
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    break
+                self._sent_at[plan.step_id] = time.monotonic()
+                self.steps += 1
+                await self.pipeline.send(plan_to_proto(plan, self.prompt_lens))
+            if self._sent_at:
+                self._arm_watchdog()
+
+    def _arm_watchdog(self) -> None:
+        oldest = min(self._sent_at)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.cfg.step_timeout_s, self._check_timeout, oldest)
+
+    def _check_timeout(self, step_id: int) -> None:
+        sent = self._sent_at.get(step_id)
+        if sent is not None and self.pipeline.state is PipelineState.READY:
+            self.pipeline._fail(f"step {step_id} got no result within "
+                                f"{self.cfg.step_timeout_s:.0f}s")
+
+    def _on_result(self, result: pb.StepResult) -> None:
+        self._sent_at.pop(result.step_id, None)
+        sampled, logprobs = tokens_from_result(result)
+        update = self.scheduler.update(result.step_id, sampled)
+        capped = set(update.length_capped_seq_ids)
+        for seq, token in update.new_tokens.items():
+            state = self.seq_owner.get(seq)
+            if state is None or state.done:
+                continue
+            choice = state.choices[seq]
+            if choice.finished:
+                continue
+            want_lp = state.request.sampling.logprobs is not None
+            delta = choice.on_token(token, logprobs.get(seq) if want_lp else None,
+                                    seq in capped)
+            state.completion_tokens += 1
+            if choice.finish_reason is not None and seq not in capped:
+                self.scheduler.finish(seq, _SCHED_REASON[choice.finish_reason])
+            self._emit(state, delta)
+        self._wake.set()
+
+    def _emit(self, state: RequestState, delta: ChoiceDelta) -> None:
+        if delta.text or delta.token_ids or delta.finish_reason is not None:
+            state.queue.put_nowait(delta)
+        if all(c.finished for c in state.choices.values()):
+            usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens)
+            self._close(state, RequestDone(usage))
+            self.requests_finished += 1
+
+    def _close(self, state: RequestState, last: StreamItem | None) -> None:
+        state.done = True
+        if last is not None:
+            state.queue.put_nowait(last)
+        self.requests.pop(state.request.request_id, None)
+        for seq in state.choices:
+            self.seq_owner.pop(seq, None)
+            self.prompt_lens.pop(seq, None)
+
+    def _fail(self, state: RequestState, kind: FailureKind, message: str) -> None:
+        for seq, choice in state.choices.items():
+            if not choice.finished:
+                choice.abort()
+                self.scheduler.abort(seq)
+        self._close(state, RequestFailed(kind, message))
+
+    # --- failures -----------------------------------------------------------------------
+
+    def _on_failure(self, reason: str) -> None:
+        """A stage failed: keep every request (the router has its tokens), preempt all
+        sequences for recompute, and re-link when the stages are back."""
+        self._down_since = time.monotonic()
+        self._sent_at.clear()
+        preempted = self.scheduler.preempt_all()
+        log.warning("pipeline failure (%s): %d sequence(s) preempted for recompute", reason,
+                    preempted)
+        self._wake.set()
+
+    async def _recover(self) -> None:
+        assert self._down_since is not None
+        budget = self.cfg.recovery_budget_s - (time.monotonic() - self._down_since)
+        try:
+            await self.pipeline.start(max(budget, 0.0))
+        except Exception as e:
+            log.error("pipeline did not recover: %s; failing %d request(s)", e,
+                      len(self.requests))
+            for state in list(self.requests.values()):
+                self._fail(state, FailureKind.UNAVAILABLE,
+                           f"pipeline stage unavailable past the recovery budget: {e}")
+            await asyncio.sleep(1.0)
+            self._wake.set()  # keep trying in the background; readiness stays NOT_SERVING
+            return
+        self._down_since = None
+        self._wake.set()
+

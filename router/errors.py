@@ -1,0 +1,81 @@
+"""The router's error types and their one mapping to gRPC status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from router.scheduler import AdmissionRefusedError, InvalidRequestError
+from router.tokenizer import ChatTemplateError
+from router.validation import ValidationError
+
+log = logging.getLogger("stagemesh.router")
+
+RETRY_AFTER_S = 1
+
+
+class ModelNotFoundError(LookupError):
+    """A request named a model this router does not serve (NOT_FOUND, HTTP 404)."""
+
+
+class UnavailableError(RuntimeError):
+    """Draining, or the pipeline is down past its recovery budget (UNAVAILABLE, HTTP 503)."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status and message a client sees for `exc`; None for an unexpected error."""
+    if isinstance(exc, ValidationError | InvalidRequestError | ChatTemplateError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AdmissionRefusedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, UnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    mapped = status_for(exc)
+    if mapped is None:
+        log.exception("unexpected error in a handler")
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+    if mapped[0] is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
+    await context.abort(mapped[0], mapped[1])
+
+
+R = TypeVar("R")
+
+
+def unary_errors(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Map a unary handler's exceptions to statuses (see `status_for`)."""
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await fn(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            await _abort(context, e)
+            raise AssertionError("unreachable") from e
+    return wrapper
+
+
+def stream_errors(fn: Callable[..., AsyncIterator[R]]) -> Callable[..., AsyncIterator[R]]:
+    """Map a server-streaming handler's exceptions to statuses (see `status_for`)."""
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[R]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            await _abort(context, e)
+    return wrapper

@@ -1,0 +1,146 @@
+"""The router process: public gRPC API, health, reflection; drives the stages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from dataclasses import replace
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvcache import KVCacheConfig
+from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
+from router.config import RouterConfig
+from router.engine import Engine, EngineConfig
+from router.pipeline import Pipeline, PipelineShape
+from router.requests import RequestLimits
+from router.scheduler import Scheduler, SchedulerConfig
+from router.service import InferenceServicer, ServedModel
+from router.tokenizer import ModelTokenizer
+
+log = logging.getLogger("stagemesh.router")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def model_context(cfg: RouterConfig) -> tuple[int, int]:
+    """(context length, vocab size) from config.json."""
+    doc = json.loads((cfg.model_dir / "config.json").read_text("utf-8"))
+    return int(doc.get("max_position_embeddings", 2048)), int(doc["vocab_size"])
+
+
+class RouterApp:
+    """Composes tokenizer, pipeline, engine and servicers; owns the server's lifetime."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = ModelTokenizer.from_dir(cfg.model_dir)
+        self.context, self.vocab = model_context(cfg)
+        if cfg.max_model_len:
+            self.context = min(self.context, cfg.max_model_len)
+        pipeline = Pipeline(list(cfg.stage_addresses), lambda r: None, lambda r: None)
+        self.engine = Engine(EngineConfig(cfg.step_timeout_s, cfg.recovery_budget_s),
+                             self._make_scheduler, pipeline, self.tokenizer)
+        self.limits = cfg.limits or RequestLimits(max_model_len=self.context,
+                                                  vocab_size=self.vocab)
+        self.servicer = InferenceServicer(self.engine, self.tokenizer, self.limits,
+                                          ServedModel(cfg.model_name, "auto", 1))
+        self.health = health.HealthServicer()
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.max_request_bytes),
+            ("grpc.max_send_message_length", 64 << 20)])
+
+    def _make_scheduler(self, shape: PipelineShape) -> Scheduler:
+        kv = KVCacheConfig(shape.num_kv_blocks, shape.block_size, self.cfg.enable_prefix_caching)
+        max_len = min(self.context, shape.num_kv_blocks * shape.block_size)
+        if max_len < self.limits.max_model_len:
+            log.warning("context capped at %d tokens: the KV pool holds %d blocks of %d",
+                        max_len, shape.num_kv_blocks, shape.block_size)
+            self.limits = replace(self.limits, max_model_len=max_len)
+            self.servicer.limits = self.limits
+        self.servicer.model = replace(self.servicer.model, dtype=shape.dtype,
+                                      tp_size=shape.tp_size)
+        sched = SchedulerConfig(
+            max_num_batched_tokens=max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs),
+            max_num_seqs=self.cfg.max_num_seqs, max_model_len=max_len,
+            max_inflight_steps=shape.num_stages, max_queued_requests=self.cfg.max_queued_requests,
+            max_queued_tokens=self.cfg.max_queued_tokens)
+        return Scheduler(sched, kv)
+
+    async def start(self) -> str:
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._set_health(live=True, ready=False)
+        names = (inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                 health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        await self.server.start()
+        address = f"{self.cfg.host}:{port}"
+        log.info("router listening on %s; waiting for %d stage(s)", address,
+                 len(self.cfg.stage_addresses))
+        await self.engine.start(self.cfg.startup_budget_s)
+        self._watcher = asyncio.create_task(self._watch_readiness())
+        return address
+
+    def _set_health(self, live: bool, ready: bool) -> None:
+        self.health.set("liveness", SERVING if live else NOT_SERVING)
+        self.health.set("readiness", SERVING if ready else NOT_SERVING)
+        self.health.set("", SERVING if ready else NOT_SERVING)
+
+    async def _watch_readiness(self) -> None:
+        last = None
+        while True:
+            ready = self.engine.ready and not self.servicer.draining
+            if ready != last:
+                self._set_health(live=True, ready=ready)
+                log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING")
+                last = ready
+            await asyncio.sleep(0.1)
+
+    async def drain_and_stop(self) -> None:
+        """SIGTERM: NOT_SERVING at once, refuse new work, let in-flight requests finish."""
+        self.servicer.draining = True
+        self._set_health(live=True, ready=False)
+        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout_s
+        while self.engine.requests and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.engine.stop()
+        await self.server.stop(grace=1.0)
+        await self.engine.pipeline.close(drain=True)
+
+
+async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
+    app = RouterApp(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    address = await app.start()
+    if ready_file:
+        with open(ready_file + ".tmp", "w") as f:
+            f.write(address)
+        import os
+
+        os.replace(ready_file + ".tmp", ready_file)
+    await stop.wait()
+    log.info("draining")
+    await app.drain_and_stop()
+    return 0
+
+
+def run_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[router] %(message)s", stream=sys.stderr)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    return asyncio.run(serve_router(cfg, ready_file))

@@ -1,0 +1,49 @@
+"""One stage process's configuration, composed once at start-up and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """Everything a stage leader (and its TP ranks) needs to start.
+
+    Attributes:
+        model_dir: HF-layout model directory.
+        stage_index / num_stages: this stage's place in the pipeline.
+        layer_override: explicit layer count per stage (all stages must agree), or None.
+        tp_size: tensor-parallel ranks in this stage; the leader spawns ranks 1..tp_size-1.
+        device: "cpu", "cuda" or "cuda:N" (TP rank r uses cuda:N+r).
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        block_size / num_blocks / kv_cache_bytes: the KV pool (num_blocks fixes it).
+        fake_compute: skip the model (control-plane benchmark W6): no weights are loaded.
+        host / port: the gRPC control listener (port 0 picks one).
+        dataplane_host: the address data-plane listeners bind.
+        tp_init_port: rendezvous port of the TP group on 127.0.0.1 (0 picks one).
+        step_timeout_s: longest wait for a step's activations from upstream.
+    """
+
+    model_dir: Path
+    stage_index: int = 0
+    num_stages: int = 1
+    layer_override: tuple[int, ...] | None = None
+    tp_size: int = 1
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    fake_compute: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    dataplane_host: str = "127.0.0.1"
+    tp_init_port: int = 0
+    step_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage_index < self.num_stages:
+            raise ValueError(f"stage index {self.stage_index} outside 0..{self.num_stages - 1}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")

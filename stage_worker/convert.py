@@ -1,0 +1,48 @@
+"""Protos <-> the stage's domain objects. The only stage module that imports `*_pb2`."""
+
+from __future__ import annotations
+
+from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from stage_worker.plan import CachedSeq, NewSeq, StagePlan, StepOutcome
+from stagemesh.sampling_params import SamplingParams
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty, presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
+    new = tuple(
+        NewSeq(s.seq_id, tuple(s.token_ids), s.prompt_len, tuple(s.block_ids), s.num_computed,
+               s.num_new, s.sample,
+               sampling_from_proto(s.sampling) if s.HasField("sampling") else None)
+        for s in msg.new_seqs
+    )
+    cached = tuple(
+        CachedSeq(s.seq_id, tuple(s.new_block_ids), s.num_computed, s.num_new,
+                  tuple(s.append_token_ids), s.sample)
+        for s in msg.cached_seqs
+    )
+    copies = tuple((c.src, c.dst) for c in msg.block_copies)
+    return StagePlan(msg.step_id, new, cached, tuple(msg.free_seq_ids), copies)
+
+
+def outcome_to_proto(outcome: StepOutcome) -> pb.StepResult:
+    tokens = [
+        pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
+                        top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs)
+        for t in outcome.tokens
+    ]
+    return pb.StepResult(step_id=outcome.step_id, tokens=tokens,
+                         kv_blocks_used=outcome.kv_blocks_used,
+                         num_sequences=outcome.num_sequences)
+
+
+def error_to_proto(step_id: int, message: str) -> pb.StepResult:
+    return pb.StepResult(step_id=step_id, error=message)

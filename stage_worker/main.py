@@ -1,0 +1,129 @@
+"""A stage process: spawn the TP ranks, build the stage, serve StageService until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
+from stage_worker.build import build_executor
+from stage_worker.config import StageConfig
+from stage_worker.leader import StageLeader
+from stage_worker.parallel import init_tp_group
+from stage_worker.service import StageIdentity, StageServicer
+from stage_worker.tp_rank import agree_on_num_blocks, config_to_json
+
+log = logging.getLogger("stagemesh.stage")
+
+# Activations never travel over gRPC, but a plan for a long prompt carries its token ids.
+MAX_MESSAGE_BYTES = 64 << 20
+FAKE_COMPUTE_BLOCKS = 1 << 16
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_tp_ranks(cfg: StageConfig, init_url: str) -> list[subprocess.Popen[bytes]]:
+    """Start TP ranks 1..T-1 as real processes (no pickle: the config travels as JSON)."""
+    blob = config_to_json(cfg)
+    return [
+        subprocess.Popen([sys.executable, "-m", "stage_worker.tp_rank", str(r), init_url, blob])
+        for r in range(1, cfg.tp_size)
+    ]
+
+
+def health_servicer() -> health.HealthServicer:
+    servicer = health.HealthServicer()
+    for name in ("", "liveness", "readiness"):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer
+
+
+async def serve_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
+    init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or _free_port('127.0.0.1')}"
+    ranks = spawn_tp_ranks(cfg, init_url)
+    tp = init_tp_group(0, cfg.tp_size, init_url)
+    executor, model_cfg = build_executor(cfg, tp)
+    num_blocks = agree_on_num_blocks(executor, tp)
+    if executor.runner is None:
+        num_blocks = cfg.num_blocks or FAKE_COMPUTE_BLOCKS
+    layers = executor.shape.layers
+    identity = StageIdentity(
+        cfg.stage_index, cfg.num_stages, layers.start, layers.end, str(executor.shape.device),
+        str(executor.shape.dtype).removeprefix("torch."), cfg.tp_size, num_blocks,
+        cfg.block_size, model_cfg.hidden_size, model_cfg.vocab_size, cfg.fake_compute,
+    )
+    servicer = StageServicer(StageLeader(executor, tp, cfg.step_timeout_s), identity)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+    health_srv = health_servicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_srv, server)
+    reflection.enable_server_reflection(
+        (stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name,
+         reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()
+    address = f"{cfg.host}:{port}"
+    log.info("stage %d/%d (layers %d-%d, %d KV blocks) serving on %s", cfg.stage_index,
+             cfg.num_stages, layers.start, layers.end - 1, num_blocks, address)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(address)
+        os.replace(tmp, ready_file)
+    rc = await _wait_for_stop(ranks)
+    health_srv.enter_graceful_shutdown()
+    servicer.draining = True
+    await server.stop(grace=5)
+    servicer.close()
+    for p in ranks:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    return rc
+
+
+async def _wait_for_stop(ranks: list[subprocess.Popen[bytes]]) -> int:
+    """Until SIGTERM/SIGINT (0), or a TP rank dying (1: the stage is down as a whole)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set():
+        dead = [p for p in ranks if p.poll() is not None]
+        if dead:
+            log.error("TP rank process %d exited with %s: taking the stage down",
+                      dead[0].pid, dead[0].returncode)
+            for p in ranks:
+                p.kill()
+            os._exit(1)  # the TP group is poisoned; the launcher restarts the stage whole
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+    return 0
+
+
+def run_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format=f"[stage {cfg.stage_index}] %(message)s", stream=sys.stderr)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        pass
+    return asyncio.run(serve_stage(cfg, ready_file))

@@ -1,0 +1,67 @@
+"""A step plan as the stage sees it (domain objects; protos are converted in `convert`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagemesh.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewSeq:
+    """A sequence sent in full: on first schedule, and again after a preemption."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]  # prompt + earlier outputs; empty on middle stages
+    prompt_len: int
+    block_ids: tuple[int, ...]
+    num_computed: int
+    num_new: int
+    sample: bool
+    sampling: SamplingParams | None  # last stage only
+
+
+@dataclass(frozen=True)
+class CachedSeq:
+    """A sequence the stage holds, continued as a diff."""
+
+    seq_id: int
+    new_block_ids: tuple[int, ...]
+    num_computed: int
+    num_new: int
+    append_token_ids: tuple[int, ...]  # tokens sampled since the previous plan
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One step. Batch order: new_seqs, then cached_seqs."""
+
+    step_id: int
+    new_seqs: tuple[NewSeq, ...]
+    cached_seqs: tuple[CachedSeq, ...]
+    free_seq_ids: tuple[int, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst), applied before the step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.new_seqs) + sum(s.num_new for s in self.cached_seqs)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float = 0.0
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a stage reports after a step."""
+
+    step_id: int
+    tokens: tuple[SampledToken, ...]
+    kv_blocks_used: int
+    num_sequences: int

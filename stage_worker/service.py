@@ -1,0 +1,121 @@
+"""The StageService: a thin gRPC skin over the stage leader. Protos stop here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from protos.stagemesh.stage.v1 import stage_pb2_grpc
+from stage_worker.convert import error_to_proto, outcome_to_proto, plan_from_proto
+from stage_worker.dataplane import TransportError
+from stage_worker.leader import StageLeader
+
+log = logging.getLogger("stagemesh.stage")
+
+
+@dataclass(frozen=True)
+class StageIdentity:
+    """What Describe reports besides live usage."""
+
+    stage_index: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    device: str
+    dtype: str
+    tp_size: int
+    num_kv_blocks: int
+    block_size: int
+    hidden_size: int
+    vocab_size: int
+    fake_compute: bool
+
+
+class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    """Runs steps one at a time on a single worker thread (it owns every torch call)."""
+
+    def __init__(self, leader: StageLeader, identity: StageIdentity) -> None:
+        self.leader = leader
+        self.identity = identity
+        self.draining = False
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-step")
+        self._run_generation = 0
+
+    async def _call(self, fn: object, *args: object) -> object:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, fn, *args)  # type: ignore[arg-type]
+
+    async def Describe(self, request: pb.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
+        i, state = self.identity, self.leader.executor.state
+        return pb.DescribeResponse(
+            stage_index=i.stage_index, num_stages=i.num_stages, layer_start=i.layer_start,
+            layer_end=i.layer_end, device=i.device, dtype=i.dtype, tp_size=i.tp_size,
+            num_kv_blocks=i.num_kv_blocks, block_size=i.block_size, hidden_size=i.hidden_size,
+            vocab_size=i.vocab_size, kv_blocks_used=state.kv_blocks_used,
+            num_sequences=len(state.seqs), fake_compute=i.fake_compute,
+            transports=[pb.TRANSPORT_TCP],
+        )
+
+    async def Connect(self, request: pb.ConnectRequest,
+                      context: grpc.aio.ServicerContext) -> pb.ConnectResponse:
+        if request.transport not in (pb.TRANSPORT_TCP, pb.TRANSPORT_UNSPECIFIED):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                f"transport {pb.Transport.Name(request.transport)} is not "
+                                "available on this stage (have: TRANSPORT_TCP)")
+        try:
+            if request.role == pb.LINK_ROLE_LISTEN_UPSTREAM:
+                address = await self._call(self.leader.listen_upstream, request.address,
+                                           request.link_token, request.epoch)
+                return pb.ConnectResponse(address=str(address))
+            if request.role == pb.LINK_ROLE_CONNECT_DOWNSTREAM:
+                await self._call(self.leader.connect_downstream, request.address,
+                                 request.link_token, request.epoch)
+                return pb.ConnectResponse()
+        except (ValueError, OSError, TransportError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"data-plane link failed: {e}")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "role must be LINK_ROLE_LISTEN_UPSTREAM or "
+                            "LINK_ROLE_CONNECT_DOWNSTREAM")
+        raise AssertionError("unreachable")
+
+    async def Run(self, request_iterator: AsyncIterator[pb.StepPlan],
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+        """Plans in, results out, strictly in order. A newer Run supersedes an older one."""
+        self._run_generation += 1
+        generation = self._run_generation
+        await self._call(self.leader.reset)
+        try:
+            async for msg in request_iterator:
+                if generation != self._run_generation or self.draining:
+                    return
+                plan = plan_from_proto(msg)
+                data = msg.SerializeToString() if self.leader.tp.size > 1 else b"\1"
+                try:
+                    outcome = await self._call(self.leader.run_step, plan, data)
+                except Exception as e:
+                    log.exception("step %d failed", plan.step_id)
+                    yield error_to_proto(plan.step_id, f"stage {self.identity.stage_index}: "
+                                                       f"{type(e).__name__}: {e}")
+                    return
+                yield outcome_to_proto(outcome)  # type: ignore[arg-type]
+        finally:
+            if generation == self._run_generation:
+                dropped = await self._call(self.leader.reset)
+                log.info("run stream closed; dropped %s sequence(s)", dropped)
+
+    async def Drain(self, request: pb.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> pb.DrainResponse:
+        self.draining = True
+        dropped = await self._call(self.leader.reset)
+        return pb.DrainResponse(dropped_sequences=int(dropped))  # type: ignore[call-overload]
+
+    def close(self) -> None:
+        self._worker.submit(self.leader.shutdown).result(timeout=30)
+        self._worker.shutdown(wait=True)

@@ -1,0 +1,5 @@
+import sys
+
+from stagemesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""`stagemesh stage`, `stagemesh router` and `stagemesh serve`: argument parsing only.
+
+Each service reads its addresses from flags or, where noted, the environment, so the same
+image runs anywhere (Kubernetes sets the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TypeAlias
+
+SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"layers must be comma-separated counts, got {text!r}") from None
+
+
+def add_service_commands(commands: SubParsers) -> None:
+    _add_stage(commands)
+    _add_router(commands)
+    _add_serve(commands)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("STAGEMESH_MODEL", "default"),
+                   help="'default' (SmolLM2-135M-Instruct) or an HF-layout directory "
+                        "[$STAGEMESH_MODEL]")
+
+
+def _add_stage(commands: SubParsers) -> None:
+    p = commands.add_parser("stage", help="run one pipeline stage (its TP ranks included)")
+    _add_model_args(p)
+    p.add_argument("--stage-index", type=int, default=int(_env("STAGEMESH_STAGE_INDEX", "0")),
+                   help="this stage's index, 0 first [$STAGEMESH_STAGE_INDEX]")
+    p.add_argument("--num-stages", type=int, default=int(_env("STAGEMESH_NUM_STAGES", "1")),
+                   help="stages in the pipeline [$STAGEMESH_NUM_STAGES]")
+    p.add_argument("--layers", type=_layers, default=None,
+                   help="layer count per stage, e.g. 12,9,9 (default: even split)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks in this stage")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="fix the KV pool size")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool memory per rank")
+    p.add_argument("--fake-compute", action="store_true",
+                   help="skip model compute (control-plane benchmark)")
+    p.add_argument("--host", default=_env("STAGEMESH_STAGE_HOST", "127.0.0.1"),
+                   help="control listener address [$STAGEMESH_STAGE_HOST]")
+    p.add_argument("--port", type=int, default=int(_env("STAGEMESH_STAGE_PORT", "0")))
+    p.add_argument("--dataplane-host", default=_env("STAGEMESH_DATAPLANE_HOST", "127.0.0.1"),
+                   help="address data-plane listeners bind [$STAGEMESH_DATAPLANE_HOST]")
+    p.add_argument("--step-timeout", type=float, default=60.0)
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="write the bound address here once serving")
+    p.set_defaults(handler=_stage)
+
+
+def _stage(args: argparse.Namespace) -> int:
+    import torch
+
+    from stage_worker.config import StageConfig
+    from stage_worker.main import run_stage
+    from stagemesh.modelstore import resolve_model
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = StageConfig(
+        model_dir=resolve_model(args.model), stage_index=args.stage_index,
+        num_stages=args.num_stages, layer_override=args.layers, tp_size=args.tp,
+        device=device, dtype=args.dtype, block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
+        fake_compute=args.fake_compute, host=args.host, port=args.port,
+        dataplane_host=args.dataplane_host, step_timeout_s=args.step_timeout,
+    )
+    return run_stage(cfg, args.ready_file)
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-name", default=None,
+                   help="name clients use (default: the model directory's name)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=0)
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--max-queued-tokens", type=int, default=1 << 20)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--startup-budget", type=float, default=300.0)
+    p.add_argument("--recovery-budget", type=float, default=60.0)
+    p.add_argument("--step-timeout", type=float, default=30.0)
+
+
+def _add_router(commands: SubParsers) -> None:
+    p = commands.add_parser("router", help="run the router (public gRPC API)")
+    _add_model_args(p)
+    p.add_argument("--stages", default=_env("STAGEMESH_STAGES", ""),
+                   help="comma-separated host:port of each stage, in order [$STAGEMESH_STAGES]")
+    p.add_argument("--host", default=_env("STAGEMESH_ROUTER_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("STAGEMESH_ROUTER_PORT", "50051")))
+    p.add_argument("--ready-file", default=None)
+    _add_router_args(p)
+    p.set_defaults(handler=_router)
+
+
+def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> object:
+    from router.config import RouterConfig
+    from stagemesh.modelstore import resolve_model
+
+    model_dir = resolve_model(args.model)
+    name = args.model_name or model_dir.name
+    return RouterConfig(
+        model_dir=model_dir, model_name=name, stage_addresses=stages, host=args.host,
+        port=args.port, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
+        step_timeout_s=args.step_timeout,
+    )
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.main import run_router
+
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    if not stages:
+        raise SystemExit("stagemesh router: --stages (or $STAGEMESH_STAGES) is required")
+    cfg = router_config(args, stages)
+    return run_router(cfg, args.ready_file)  # type: ignore[arg-type]
+
+
+def _add_serve(commands: SubParsers) -> None:
+    p = commands.add_parser(
+        "serve", help="bring up a whole pipeline on this machine: stages, router, gateway")
+    _add_model_args(p)
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--host", default="127.0.0.1", help="router address")
+    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--gateway-port", type=int, default=8000,
+                   help="HTTP gateway port (0 = no gateway)")
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-gb", type=float, default=None)
+    p.add_argument("--fake-compute", action="store_true")
+    _add_router_args(p)
+    p.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from stagemesh.launcher import launch
+
+    return launch(args)

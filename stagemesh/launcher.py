@@ -1,0 +1,192 @@
+"""`stagemesh serve`: the whole pipeline on one machine, as real processes.
+
+Starts P stage processes (each spawns its own TP ranks), then the router, then the HTTP
+gateway; waits until the router reports ready; prints the endpoints and one line per
+process. A stage that dies is restarted on the same port (the router re-links and
+re-prefills). SIGINT/SIGTERM drains the router, then stops everything; no process is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stagemesh.modelstore import resolve_model
+
+READY_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Child:
+    """One supervised process: its role, command, ready file and address once ready."""
+
+    role: str
+    argv: list[str]
+    ready_file: Path
+    restart: bool
+    proc: subprocess.Popen[bytes] | None = None
+    address: str = ""
+    restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env},
+                                     start_new_session=True)
+
+    def ready(self) -> bool:
+        if self.ready_file.exists():
+            self.address = self.ready_file.read_text().strip()
+            return True
+        return False
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _stage_devices(args: argparse.Namespace) -> list[str]:
+    """Device per stage: one GPU group per stage when there are enough, else all share."""
+    if args.device == "cpu":
+        return ["cpu"] * args.stages
+    import torch
+
+    if args.device == "auto" and not torch.cuda.is_available():
+        return ["cpu"] * args.stages
+    count = torch.cuda.device_count()
+    if count >= args.stages * args.tp:
+        return [f"cuda:{i * args.tp}" for i in range(args.stages)]
+    return ["cuda:0"] * args.stages
+
+
+def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
+    py = [sys.executable, "-m", "stagemesh"]
+    model = str(resolve_model(args.model))
+    children = []
+    stage_addresses = []
+    for i, device in enumerate(_stage_devices(args)):
+        port = _free_port("127.0.0.1")
+        stage_addresses.append(f"127.0.0.1:{port}")
+        argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--num-stages",
+                str(args.stages), "--tp", str(args.tp), "--device", device, "--dtype",
+                args.dtype, "--port", str(port), "--ready-file", str(workdir / f"stage{i}")]
+        if args.num_blocks:
+            argv += ["--num-blocks", str(args.num_blocks)]
+        if args.kv_cache_gb:
+            argv += ["--kv-cache-gb", str(args.kv_cache_gb)]
+        if args.fake_compute:
+            argv.append("--fake-compute")
+        children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True))
+    router = [*py, "router", "--model", model, "--stages", ",".join(stage_addresses),
+              "--host", args.host, "--port", str(args.port), "--ready-file",
+              str(workdir / "router"), "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+              "--max-model-len", str(args.max_model_len),
+              "--max-queued-requests", str(args.max_queued_requests),
+              "--max-queued-tokens", str(args.max_queued_tokens),
+              "--startup-budget", str(args.startup_budget),
+              "--recovery-budget", str(args.recovery_budget),
+              "--step-timeout", str(args.step_timeout)]
+    if args.model_name:
+        router += ["--model-name", args.model_name]
+    if args.no_prefix_caching:
+        router.append("--no-prefix-caching")
+    children.append(Child("router", router, workdir / "router", restart=False))
+    if args.gateway_port:
+        gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
+                   "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway")]
+        children.append(Child("gateway", gateway, workdir / "gateway", restart=True))
+    return children
+
+
+def _wait_ready(children: list[Child], deadline: float) -> None:
+    while not all(c.ready() for c in children):
+        for c in children:
+            assert c.proc is not None
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.role} exited with status {c.proc.returncode} before it "
+                                   "was ready (see its log above)")
+        if time.monotonic() > deadline:
+            late = ", ".join(c.role for c in children if not c.ready())
+            raise RuntimeError(f"not ready within {READY_TIMEOUT_S:.0f}s: {late}")
+        time.sleep(0.1)
+
+
+def _stop(children: list[Child], timeout_s: float = 40.0) -> None:
+    """Router first (it drains), then the rest; kill whatever outlives the timeout."""
+    for group in ([c for c in children if c.role == "router"],
+                  [c for c in children if c.role != "router"]):
+        for c in group:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in group:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+
+
+def launch(args: argparse.Namespace) -> int:
+    stop = {"signal": 0}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with tempfile.TemporaryDirectory(prefix="stagemesh-") as tmp:
+        children = build_children(args, Path(tmp))
+        try:
+            for c in children:
+                c.start()
+            _wait_ready(children, time.monotonic() + READY_TIMEOUT_S)
+            _print_endpoints(children, args)
+            _supervise(children, stop)
+        except RuntimeError as e:
+            print(f"stagemesh serve: {e}", file=sys.stderr)
+            _stop(children)
+            return 1
+        _stop(children)
+    print("stagemesh serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _print_endpoints(children: list[Child], args: argparse.Namespace) -> None:
+    router = next(c for c in children if c.role == "router")
+    print(f"stagemesh ready: gRPC {router.address}", end="")
+    if args.gateway_port:
+        print(f", HTTP http://{args.host}:{args.gateway_port}/v1", end="")
+    print(flush=True)
+    for c in children:
+        assert c.proc is not None
+        print(f"  {c.role:<8} pid {c.proc.pid:<7} {c.address}", flush=True)
+
+
+def _supervise(children: list[Child], stop: dict[str, int]) -> None:
+    """Until a signal: restart stages (same port) and the gateway if they die."""
+    while not stop["signal"]:
+        for c in children:
+            assert c.proc is not None
+            if c.proc.poll() is None:
+                continue
+            if not c.restart:
+                raise RuntimeError(f"{c.role} exited with status {c.proc.returncode}")
+            c.restarts += 1
+            print(f"stagemesh serve: {c.role} exited ({c.proc.returncode}); restarting "
+                  f"(restart {c.restarts})", file=sys.stderr, flush=True)
+            c.start()
+        time.sleep(0.2)
