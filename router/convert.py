@@ -51,7 +51,7 @@ def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
         return TokenPrompt(tuple(msg.token_ids.ids))
     if kind == "chat":
         return ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages))
-    raise ValidationError("input", "one of text, token_ids or chat must be given")
+    raise ValidationError("input", "input must be one of text, token_ids or chat; none was given")
 
 
 def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from stagemesh.modelstore import resolve_model
 
@@ -38,3 +39,29 @@ def chat_prompts() -> list[list[int]]:
                                      tokenize=True, return_dict=True)["input_ids"])
         for q in QUESTIONS
     ]
+
+
+MAX_NEW = 64
+EOS = 2  # <|im_end|>
+
+
+@cache
+def hf_model() -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+
+
+@cache
+def hf_greedy() -> list[list[int]]:
+    """HF `generate`, greedy, one chat prompt at a time (no padding), stopping at EOS."""
+    import torch
+
+    outs = []
+    for prompt in chat_prompts():
+        with torch.no_grad():
+            ids = hf_model().generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW,
+                                      do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+        outs.append(ids[0, len(prompt):].tolist())
+    return outs

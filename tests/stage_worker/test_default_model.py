@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
 from stage_worker.step_input import SeqChunk
-from tests.default_model import chat_prompts, default_model_dir
+from tests.default_model import (
+    EOS,
+    MAX_NEW,
+    chat_prompts,
+    default_model_dir,
+    hf_greedy,
+    hf_model,
+)
 from tests.stage_worker.tp_harness import run_tp
-
-MAX_NEW = 64
-EOS = 2  # <|im_end|>
-
-
-@cache
-def hf_model() -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
-
-
-@cache
-def hf_greedy() -> list[list[int]]:
-    """HF `generate`, greedy, one prompt at a time (no padding), stopping at EOS."""
-    outs = []
-    for prompt in chat_prompts():
-        with torch.no_grad():
-            ids = hf_model().generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW,
-                                      do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
-        outs.append(ids[0, len(prompt):].tolist())
-    return outs
 
 
 def test_logits_match_hf_fp32() -> None:

@@ -1,0 +1,156 @@
+"""A Python client for the router's public API (tests, benchmarks and the gateway use it).
+
+    async with RouterClient("127.0.0.1:50051") as client:
+        async for chunk in client.generate(prompt="Hello", max_tokens=16):
+            print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from protos.stagemesh.v1 import inference_pb2 as pb
+from protos.stagemesh.v1 import inference_pb2_grpc
+
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+           pb.FINISH_REASON_ABORT: "abort"}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed update. `usage` is set on the last chunk of a call (empty choice)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
+    usage: dict[str, int] | None = None
+
+
+@dataclass
+class Completion:
+    """A whole generation, collected from the stream."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    usage: dict[str, int] | None = None
+
+
+def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
+                  token_ids: Sequence[int] | None = None, model: str = "",
+                  max_tokens: int | None = None, stop: Sequence[str] = (),
+                  stop_token_ids: Sequence[int] = (), n: int | None = None,
+                  logprobs: int | None = None, ignore_eos: bool = False,
+                  request_id: str = "", priority: int = 0, **sampling: Any) -> pb.GenerateRequest:
+    """A GenerateRequest from keyword arguments; sampling keys as in `SamplingParams`."""
+    unknown = set(sampling) - set(_SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
+    req = pb.GenerateRequest(model=model, stop=list(stop), stop_token_ids=list(stop_token_ids),
+                             ignore_eos=ignore_eos, request_id=request_id, priority=priority)
+    if prompt is not None:
+        req.text = prompt
+    elif messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                                 for m in messages)
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    for key, value in sampling.items():
+        if value is not None:
+            setattr(req.sampling, key, value)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    if n is not None:
+        req.n = n
+    if logprobs is not None:
+        req.logprobs = logprobs
+    return req
+
+
+def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
+    usage = None
+    if msg.HasField("usage"):
+        usage = {"prompt_tokens": msg.usage.prompt_tokens,
+                 "completion_tokens": msg.usage.completion_tokens,
+                 "cached_prompt_tokens": msg.usage.cached_prompt_tokens}
+    logprobs = tuple((lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                     for lp in msg.logprobs)
+    return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
+                 _FINISH.get(msg.finish_reason), logprobs, usage)
+
+
+class RouterClient:
+    """Async client over one channel. Errors surface as `grpc.aio.AioRpcError`."""
+
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        self.channel = (grpc.aio.secure_channel(address, credentials, options) if credentials
+                        else grpc.aio.insecure_channel(address, options))
+        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
+        self.metadata = tuple(metadata)
+
+    async def __aenter__(self) -> RouterClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                       **kwargs: Any) -> AsyncIterator[Chunk]:
+        """Stream a generation; see `build_request` for the arguments."""
+        request = kwargs.pop("request", None) or build_request(prompt, **kwargs)
+        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        try:
+            async for msg in call:
+                yield chunk_from_proto(msg)
+        finally:
+            call.cancel()  # a consumer that stops early cancels the request on the router
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """Run a generation to the end and collect every choice."""
+        out = Completion()
+        async for chunk in self.generate(prompt, **kwargs):
+            if chunk.usage is not None:
+                out.usage = chunk.usage
+                continue
+            while len(out.texts) <= chunk.index:
+                out.texts.append("")
+                out.token_ids.append([])
+                out.finish_reasons.append(None)
+            out.texts[chunk.index] += chunk.text
+            out.token_ids[chunk.index] += chunk.token_ids
+            if chunk.finish_reason is not None:
+                out.finish_reasons[chunk.index] = chunk.finish_reason
+        return out
+
+    async def tokenize(self, text: str | None = None,
+                       messages: Sequence[dict[str, str]] | None = None) -> list[int]:
+        req = pb.TokenizeRequest()
+        if text is not None:
+            req.text = text
+        elif messages is not None:
+            req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                                     for m in messages)
+        reply = await self.stub.Tokenize(req, metadata=self.metadata)
+        return list(reply.token_ids)
+
+    async def model_info(self) -> pb.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+
+    async def stats(self) -> pb.GetStatsResponse:
+        return await self.stub.GetStats(pb.GetStatsRequest(), metadata=self.metadata)

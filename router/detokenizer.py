@@ -1,0 +1,132 @@
+"""Incremental detokenization: output token ids in, text deltas out, one token at a time.
+
+The prefix/read-offset technique (TGI, vLLM). The detokenizer keeps only a short window of
+tokens: the group it emitted last (the "prefix", `_tokens[:_read]`), then the tokens it holds.
+Each push decodes the window and emits what it adds to the prefix's own decode. Decoding the
+new tokens together with the prefix makes context-dependent decoding (a leading space the
+decoder strips from a first token, bytes joined across tokens) come out the same in both
+decodes; decoding only the window makes a push O(window), not O(output length).
+
+Never half a character: a byte-level BPE token can carry part of a UTF-8 character (an emoji
+is often 3-4 tokens), and a window that ends inside a character decodes to a trailing
+U+FFFD. While the window's text ends with U+FFFD the delta is held back; it is emitted once
+the character completes (or at `flush`, if it never does).
+
+Guarantee (tested on the default model's byte-level BPE tokenizer, for any token ids): the
+concatenation of all deltas and `flush()` equals `tokenizer.decode(output_ids,
+skip_special_tokens=...)`. The prompt's last tokens are the first prefix, unless the prompt
+ends inside a character: then the output's first bytes would complete a prompt character, so
+no context is used. For decoders that strip the first token's leading space (SentencePiece
+"▁"), the stream keeps the space that the prompt context shows, as vLLM does; a one-shot
+decode of the output alone drops it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+# Tokens of prompt context for the first decode (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_
+# OFFSET): enough for a decoder's context-dependent first token, small enough to be cheap.
+PROMPT_CONTEXT_TOKENS = 5
+
+# Held tokens beyond which a push looks for a safe split inside the held text (see
+# `_release_settled`). Longer than any UTF-8 character (4 bytes, each token >= 1 byte), so
+# normal text never gets there; it bounds the window when the model emits a long run of
+# invalid bytes or literal U+FFFD characters, which would otherwise hold the stream forever
+# and make each push O(run length).
+MAX_HELD_TOKENS = 8
+
+# A UTF-8 sequence needs at most this many bytes after its first byte: once that many bytes
+# follow an unfinished sequence, it can never complete, and the text before is settled.
+_MAX_CONTINUATION_BYTES = 3
+
+
+class IncrementalDetokenizer:
+    """Text deltas of one output sequence.
+
+    Args:
+        tokenizer: the model's `tokenizers.Tokenizer`.
+        prompt_token_ids: the prompt; only its last few tokens are kept, as context.
+        skip_special_tokens: drop special tokens from the text (as `Tokenizer.decode`).
+        max_held_tokens: see MAX_HELD_TOKENS (tests lower it to exercise the split); at
+            least 4, the tokens one character can span.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True,
+                 max_held_tokens: int = MAX_HELD_TOKENS) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._max_held = max(max_held_tokens, _MAX_CONTINUATION_BYTES + 1)
+        # Ids that `decode(..., skip_special_tokens=True)` drops before decoding: never put
+        # in the window (EOS over and over under ignore_eos must not pile up there).
+        self._dropped = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        ) if skip_special_tokens else frozenset()
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        if self._decode(context).endswith(REPLACEMENT):
+            # The prompt ends inside a character (or on an undecodable byte): using it as
+            # context would let the output's first bytes complete a prompt character.
+            context = []
+        # Invariant: _tokens is [prefix | held]; _read = len(prefix); _text is the decode of
+        # the prefix, and is settled: no token pushed later changes it, so the window's
+        # decode always starts with it.
+        self._tokens = context
+        self._read = len(context)
+        self._text = self._decode(context)
+
+    def push(self, token_id: int) -> str:
+        """Append one output token; return the text that is now final (maybe "")."""
+        if token_id in self._dropped:
+            return ""
+        self._tokens.append(token_id)
+        window = self._decode(self._tokens)
+        if len(window) > len(self._text) and not window.endswith(REPLACEMENT):
+            return self._advance(len(self._tokens), window)
+        if len(self._tokens) - self._read > self._max_held:
+            return self._release_settled(window)
+        return ""
+
+    def flush(self) -> str:
+        """At finish: everything not yet emitted, even an unfinished character (as U+FFFD,
+        the same text a one-shot decode gives)."""
+        return self._advance(len(self._tokens), self._decode(self._tokens))
+
+    def _release_settled(self, window: str) -> str:
+        """Emit the held text up to a token boundary that later tokens cannot change.
+
+        A boundary is settled when at least _MAX_CONTINUATION_BYTES bytes follow it: a
+        character still unfinished there can no longer complete. Every decoded character
+        comes from at least one byte (a skipped special token adds none), so counting the
+        characters after it bounds those bytes from below.
+
+        The split must also add text. The last boundary may cut an invalid sequence whose
+        one-shot decode takes a few continuation bytes after it into one U+FFFD (already
+        emitted); those bytes add no text. A split that adds text lies past them, so the
+        next window, which starts at the last boundary and decodes them as separate U+FFFDs,
+        agrees with a one-shot decode on everything after the split.
+        """
+        for split in range(len(self._tokens) - 1, self._read, -1):
+            if len(self._decode(self._tokens[split:])) < _MAX_CONTINUATION_BYTES:
+                continue
+            head = self._decode(self._tokens[:split])
+            if len(head) > len(self._text) and window.startswith(head):
+                return self._advance(split, head)
+            return ""
+        return ""
+
+    def _advance(self, read: int, text: str) -> str:
+        """Emit `text` (the decode of _tokens[:read]) past the prefix's text; the tokens up to
+        `read` past the old prefix become the new prefix."""
+        delta = text[len(self._text):]
+        del self._tokens[:self._read]
+        self._read = read - self._read
+        self._text = self._decode(self._tokens[:self._read])
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))

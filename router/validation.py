@@ -1,0 +1,202 @@
+"""Request validation: `RawGenerateRequest` + `RequestLimits` -> `GenerateRequest`.
+
+Every failure raises one `ValidationError(field, message)`; the edges map it once to
+INVALID_ARGUMENT / HTTP 400. A message names the field, the limit and what was given.
+
+Limits (vLLM / OpenAI-like; sampling ranges live in `SamplingParams.validate`):
+  temperature >= 0 (finite); top_p in (0, 1]; top_k -1 or 0 (off) or in [1, vocab_size];
+  min_p in [0, 1]; presence_penalty, frequency_penalty in [-2, 2]; repetition_penalty > 0
+  (finite, no upper bound, as vLLM); seed in [-2**63, 2**64 - 1]; logprobs in
+  [0, max_logprobs]; max_tokens in [1, max_tokens_cap]; n in [1, max_n]; priority fits int32
+  (the gRPC field's type); stop strings non-empty, at most max_stop_sequences of at most
+  max_stop_len characters; stop token ids and prompt token ids in [0, vocab_size).
+
+Cheap checks run before the prompt is tokenized, so a bad request costs no tokenizer work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NoReturn, Protocol
+
+from router.requests import (
+    ChatMessage,
+    GenerateRequest,
+    PromptInput,
+    RawGenerateRequest,
+    RequestLimits,
+    TextPrompt,
+    TokenPrompt,
+)
+from router.tokenizer import ChatTemplateError
+from stagemesh.sampling_params import SamplingParams, SamplingParamsError
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+class ValidationError(ValueError):
+    """A request field is out of range. `field` names it (`"messages[2].role"`); the message
+    says what the limit is and what was given."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class PromptEncoder(Protocol):
+    """What validation needs of a tokenizer (`router.tokenizer.ModelTokenizer` is one)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]: ...
+
+
+def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
+                     tokenizer: PromptEncoder) -> GenerateRequest:
+    """Check every field of `raw` against `limits`, tokenize its prompt and fit max_tokens.
+
+    Raises:
+        ValidationError: for the first field out of range.
+    """
+    if not raw.request_id:
+        _fail("request_id", "request_id must not be empty")
+    validate_sampling(raw.sampling, limits)
+    _check_range("n", raw.n, 1, limits.max_n)
+    _check_range("priority", raw.priority, _INT32_MIN, _INT32_MAX)
+    if raw.max_tokens is not None:
+        _check_range("max_tokens", raw.max_tokens, 1, limits.max_tokens_cap)
+    validate_stop(raw.stop, limits)
+    if len(raw.stop_token_ids) > limits.max_stop_token_ids:
+        _fail("stop_token_ids", f"stop_token_ids has {len(raw.stop_token_ids)} ids, "
+                                f"at most {limits.max_stop_token_ids} are allowed")
+    _check_in_vocab("stop_token_ids", raw.stop_token_ids, limits.vocab_size)
+    prompt_ids = validate_prompt(raw.prompt, limits, tokenizer)
+    max_tokens = fit_max_tokens(len(prompt_ids), raw.max_tokens, limits)
+    return GenerateRequest(
+        request_id=raw.request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=raw.sampling,
+        max_tokens=max_tokens,
+        stop=raw.stop,
+        stop_token_ids=raw.stop_token_ids,
+        ignore_eos=raw.ignore_eos,
+        n=raw.n,
+        priority=raw.priority,
+        include_stop_str_in_output=raw.include_stop_str_in_output,
+        skip_special_tokens=raw.skip_special_tokens,
+    )
+
+
+def validate_sampling(sampling: SamplingParams, limits: RequestLimits) -> None:
+    """`SamplingParams.validate`, with its error turned into a ValidationError."""
+    try:
+        sampling.validate(limits.vocab_size, limits.max_logprobs)
+    except SamplingParamsError as e:
+        raise ValidationError(e.field, e.message) from e
+
+
+def validate_stop(stop: Sequence[str], limits: RequestLimits) -> None:
+    """At most max_stop_sequences non-empty strings of at most max_stop_len characters."""
+    if len(stop) > limits.max_stop_sequences:
+        _fail("stop", f"stop has {len(stop)} sequences, "
+                      f"at most {limits.max_stop_sequences} are allowed")
+    for i, s in enumerate(stop):
+        if not s:
+            _fail(f"stop[{i}]", f"stop[{i}] is empty; stop strings must have a character")
+        if len(s) > limits.max_stop_len:
+            _fail(f"stop[{i}]", f"stop[{i}] is {len(s)} characters, "
+                                f"at most {limits.max_stop_len} are allowed")
+
+
+def validate_prompt(prompt: PromptInput, limits: RequestLimits,
+                    tokenizer: PromptEncoder) -> tuple[int, ...]:
+    """The prompt's token ids: non-empty, in the vocabulary, shorter than the context.
+
+    Text and message sizes are checked before tokenizing; a chat template that refuses the
+    messages (roles out of order, no template) is a ValidationError on `messages`.
+    """
+    if isinstance(prompt, TokenPrompt):
+        field, ids = "prompt_token_ids", prompt.token_ids
+        if not ids:
+            _fail(field, "prompt_token_ids must not be empty")
+        _check_prompt_fits(field, len(ids), limits)  # before scanning a giant list
+        _check_in_vocab(field, ids, limits.vocab_size)
+        return ids
+    if isinstance(prompt, TextPrompt):
+        field = "prompt"
+        if not prompt.text:
+            _fail(field, "prompt must not be empty")
+        if len(prompt.text) > limits.max_prompt_chars:
+            _fail(field, f"prompt is {len(prompt.text)} characters, "
+                         f"at most {limits.max_prompt_chars} are allowed")
+        ids = tuple(tokenizer.encode(prompt.text))
+    else:
+        field = "messages"
+        _check_messages(prompt.messages, limits)
+        try:
+            ids = tuple(tokenizer.encode_chat(
+                [{"role": m.role, "content": m.content} for m in prompt.messages]))
+        except ChatTemplateError as e:
+            raise ValidationError(field, f"messages: {e}") from e
+    if not ids:
+        _fail(field, "prompt has no tokens")
+    _check_prompt_fits(field, len(ids), limits)
+    return ids
+
+
+def fit_max_tokens(num_prompt_tokens: int, max_tokens: int | None,
+                   limits: RequestLimits) -> int:
+    """The request's max_tokens: as given if prompt + max_tokens fits the context, else a
+    ValidationError; when not given, the remaining context capped by max_tokens_cap."""
+    room = limits.max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return min(room, limits.max_tokens_cap)
+    if max_tokens > room:
+        _fail("max_tokens",
+              f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+              f"{num_prompt_tokens + max_tokens} exceeds the model's context of "
+              f"{limits.max_model_len}")
+    return max_tokens
+
+
+def _check_messages(messages: Sequence[ChatMessage], limits: RequestLimits) -> None:
+    if not messages:
+        _fail("messages", "messages must not be empty")
+    roles = limits.allowed_roles
+    chars = 0
+    for i, m in enumerate(messages):
+        if m.role not in roles:
+            _fail(f"messages[{i}].role",
+                  f"messages[{i}].role {m.role!r} is not one of {', '.join(roles)}")
+        chars += len(m.content)
+    if chars > limits.max_prompt_chars:
+        _fail("messages", f"messages have {chars} characters of content, "
+                          f"at most {limits.max_prompt_chars} are allowed")
+
+
+def _check_prompt_fits(field: str, num_tokens: int, limits: RequestLimits) -> None:
+    """At least one token of room must stay for the output."""
+    context = limits.max_model_len
+    if num_tokens > context:
+        _fail(field, f"prompt has {num_tokens} tokens, more than the model's context "
+                     f"of {context}")
+    if num_tokens == context:
+        _fail(field, f"prompt has {num_tokens} tokens, which fills the model's context "
+                     f"of {context} and leaves no room to generate")
+
+
+def _check_in_vocab(name: str, ids: Sequence[int], vocab: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            _fail(f"{name}[{i}]", f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab})")
+
+
+def _check_range(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        _fail(name, f"{name} must be between {lo} and {hi}, got {value}")
+
+
+def _fail(field: str, message: str) -> NoReturn:
+    raise ValidationError(field, message)
