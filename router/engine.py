@@ -25,6 +25,7 @@ from router.outputs import (
     RequestFailed,
     StreamItem,
     Usage,
+    coalesce,
 )
 from router.pipeline import Pipeline, PipelineShape, PipelineState
 from router.requests import FinishReason, GenerateRequest
@@ -91,7 +92,7 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------
 
-    def submit(self, req: GenerateRequest) -> AsyncIterator[StreamItem]:
+    def submit(self, req: GenerateRequest) -> AsyncIterator[list[StreamItem]]:
         """Admit `req`. Raises the scheduler's AdmissionRefusedError / InvalidRequestError,
         or RuntimeError when the pipeline is down past its recovery budget."""
         if self.pipeline.state is not PipelineState.READY and self._down_since is not None \
@@ -123,12 +124,15 @@ class Engine:
         self._wake.set()
         return self._stream(state)
 
-    async def _stream(self, state: RequestState) -> AsyncIterator[StreamItem]:
+    async def _stream(self, state: RequestState) -> AsyncIterator[list[StreamItem]]:
+        """Yields every item queued since the last yield, coalesced (see `coalesce`)."""
         try:
             while True:
-                item = await state.queue.get()
-                yield item
-                if isinstance(item, RequestDone | RequestFailed):
+                items = [await state.queue.get()]
+                while not state.queue.empty():
+                    items.append(state.queue.get_nowait())
+                yield coalesce(items)
+                if isinstance(items[-1], RequestDone | RequestFailed):
                     return
         finally:
             if not state.done:  # the consumer went away (cancel, deadline, disconnect)

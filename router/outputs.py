@@ -54,3 +54,19 @@ class RequestFailed:
 
 
 StreamItem = ChoiceDelta | RequestDone | RequestFailed
+
+
+def coalesce(items: list[StreamItem]) -> list[StreamItem]:
+    """Merge consecutive deltas of the same choice (a consumer that fell behind sends one
+    message for several tokens instead of one per token). Order is kept."""
+    out: list[StreamItem] = []
+    for item in items:
+        prev = out[-1] if out else None
+        if isinstance(item, ChoiceDelta) and isinstance(prev, ChoiceDelta) \
+                and prev.index == item.index and prev.finish_reason is None:
+            out[-1] = ChoiceDelta(item.index, prev.text + item.text,
+                                  prev.token_ids + item.token_ids,
+                                  prev.logprobs + item.logprobs, item.finish_reason)
+        else:
+            out.append(item)
+    return out

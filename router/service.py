@@ -52,13 +52,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             stream = self.engine.submit(req)
         except RuntimeError as e:
             raise UnavailableError(str(e)) from e
-        async for item in stream:
-            if isinstance(item, ChoiceDelta):
-                yield delta_to_proto(req.request_id, item)
-            elif isinstance(item, RequestDone):
-                yield usage_to_proto(req.request_id, item.usage)
-            elif isinstance(item, RequestFailed):
-                raise UnavailableError(item.message)
+        async for items in stream:
+            for item in items:
+                if isinstance(item, ChoiceDelta):
+                    yield delta_to_proto(req.request_id, item)
+                elif isinstance(item, RequestDone):
+                    yield usage_to_proto(req.request_id, item.usage)
+                elif isinstance(item, RequestFailed):
+                    raise UnavailableError(item.message)
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest,

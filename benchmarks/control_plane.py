@@ -1,0 +1,76 @@
+"""W6: the control-plane ceiling. Stages skip model compute (`--fake-compute`), so a step
+costs only planning, gRPC plans/results, the data plane ([64, 576] fp32 = 147 KB of
+activations per hop) and streaming tokens to clients. 64 sequences decode; steps/s is read
+from the router's step counter over a window of steady decoding, for 1 and 2 stages in
+the same run.
+
+    python -m benchmarks.control_plane --stages 1,2 --out benchmarks/results/w6.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import git_revision, print_table, write_json
+from router.client import RouterClient
+from stagemesh.local_mesh import Mesh
+
+
+async def measure(address: str, seqs: int, window_s: float) -> dict[str, float]:
+    async with RouterClient(address) as client:
+        tokens = 0
+
+        async def one(i: int) -> None:
+            nonlocal tokens
+            async for chunk in client.generate(prompt=f"request {i}", max_tokens=100_000 // seqs,
+                                               ignore_eos=True, temperature=0.0):
+                tokens += len(chunk.token_ids)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(seqs)]
+        while (await client.stats()).num_running < seqs:  # all admitted and decoding
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        s0, t0, k0 = (await client.stats()).steps, time.perf_counter(), tokens
+        await asyncio.sleep(window_s)
+        s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    steps_s = (s1 - s0) / (t1 - t0)
+    return {"steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
+            "tokens_per_s": (k1 - k0) / (t1 - t0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--window", type=float, default=5.0)
+    ap.add_argument("--out", type=Path,
+                    default=Path(f"benchmarks/results/w6-{dt.date.today()}.json"))
+    args = ap.parse_args()
+    config: dict[str, Any] = {"workload": "W6", "model": "smollm2-135m (config only)",
+                              "compute": "fake (no model work)", "transport": "tcp",
+                              "seqs": args.seqs, "tp": 1, "revision": git_revision()}
+    print(config)
+    rows = []
+    for p in (int(x) for x in args.stages.split(",")):
+        with Mesh("--stages", str(p), "--fake-compute", "--max-num-seqs", str(args.seqs),
+                  "--num-blocks", "8192") as mesh:
+            result = asyncio.run(measure(mesh.address, args.seqs, args.window))
+        rows.append({"stages": p, **result})
+        print(rows[-1], flush=True)
+    base = rows[0]["steps_per_s"]
+    for r in rows:
+        r["vs_first"] = r["steps_per_s"] / base
+    write_json(args.out, config, rows)
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""A local mesh as real processes over real sockets: `stagemesh serve`, or one service,
+started and stopped from Python (tests and benchmarks use it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+
+from protos.stagemesh.v1 import inference_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process whose merged output is collected by a thread (never blocks)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        seen = 0
+        while time.monotonic() < deadline:
+            while seen < len(self.lines):
+                m = rx.search(self.lines[seen])
+                seen += 1
+                if m:
+                    return m
+            if self.proc.poll() is not None and seen >= len(self.lines):
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"no line matching {pattern!r}; output:\n" + self.output[-6000:])
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class Mesh:
+    """`stagemesh serve` with the given flags; `address` is the router's gRPC endpoint."""
+
+    def __init__(self, *flags: str, timeout: float = 300.0) -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "stagemesh", "serve", "--port", str(self.port),
+                "--gateway-port", "0", "--device", "cpu", *flags]
+        self.proc = Proc(argv)
+        self.proc.wait_for(r"stagemesh ready", timeout)
+        self.address = f"127.0.0.1:{self.port}"
+        self.pids = {m.group(1): int(m.group(2)) for m in (
+            re.match(r"\s+(stage \d+|router|gateway)\s+pid (\d+)", line)
+            for line in self.proc.lines) if m}
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.proc.stop()
+
+    def stub(self) -> inference_pb2_grpc.InferenceServiceStub:
+        return inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(self.address))
