@@ -19,7 +19,12 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
         echo "[setup] installing torch ${STAGEMESH_TORCH:-2.13.0}"
         .venv/bin/python -m pip install -q "torch==${STAGEMESH_TORCH:-2.13.0}"
     fi
-    echo "[setup] installing stagemesh[$EXTRAS]"
-    .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+    echo "[setup] installing stagemesh[$EXTRAS] (generates the gRPC code)"
+    LOG=.venv/setup.log
+    if ! .venv/bin/python -m pip install -e ".[$EXTRAS]" >"$LOG" 2>&1; then
+        tail -40 "$LOG" >&2
+        echo "[setup] install failed; full log in $LOG" >&2
+        exit 1
+    fi
     touch "$STAMP"
 fi

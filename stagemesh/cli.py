@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fetch_model(commands)
     _add_generate(commands)
     add_service_commands(commands)
+    _add_ask(commands)
     return parser
 
 
@@ -123,6 +124,40 @@ def _generate(args: argparse.Namespace) -> int:
 
     status: int = run_generate(args)
     return status
+
+
+# --- ask ------------------------------------------------------------------------------------
+
+
+def _add_ask(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "ask", help="send one chat message to a running router and stream the answer")
+    parser.add_argument("message", help="the user message")
+    parser.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
+    parser.add_argument("--max-tokens", type=_positive_int, default=128)
+    parser.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    parser.set_defaults(handler=_ask)
+
+
+def _ask(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.client import RouterClient
+
+    async def run() -> None:
+        async with RouterClient(args.router) as client:
+            async for chunk in client.generate(
+                    messages=[{"role": "user", "content": args.message}],
+                    max_tokens=args.max_tokens, temperature=args.temperature):
+                if chunk.usage is not None:
+                    print(f"\n[{chunk.usage['prompt_tokens']} prompt + "
+                          f"{chunk.usage['completion_tokens']} completion tokens]",
+                          file=sys.stderr)
+                else:
+                    print(chunk.text, end="", flush=True)
+
+    asyncio.run(run())
+    return 0
 
 
 # --- argument types ---------------------------------------------------------------------------
