@@ -1,0 +1,76 @@
+"""SIGTERM: the router drains (readiness NOT_SERVING, new requests UNAVAILABLE, in-flight
+ones finish), and `stagemesh serve` stops every process it started, TP ranks included."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from router.client import RouterClient
+from tests.mesh.harness import Mesh, readiness
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigterm_drains_then_stops_every_process() -> None:
+    mesh = Mesh("--stages", "2", "--tp", "2", "--num-blocks", "256")
+    try:
+        pids = [mesh.proc.proc.pid, *mesh.pids.values()]
+        for stage in ("stage 0", "stage 1"):
+            pids += _children(mesh.pids[stage])  # the TP rank processes
+        assert len(pids) >= 6  # launcher, router, 2 stage leaders, 2 TP ranks
+
+        async def run() -> tuple[str | None, grpc.StatusCode, int]:
+            async with RouterClient(mesh.address) as client:
+                long = asyncio.create_task(client.complete(
+                    prompt="Once upon a time", max_tokens=60, ignore_eos=True, temperature=0.0))
+                await asyncio.sleep(1.0)
+                os.kill(mesh.pids["router"], signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                status = readiness(mesh.address)
+                try:
+                    await client.complete(prompt="late", max_tokens=4)
+                    late = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as e:
+                    late = e.code()
+                out = await long
+                return out.finish_reasons[0], late, status
+
+        finished, late, status = asyncio.run(run())
+        assert status == 2  # NOT_SERVING at once
+        assert late == grpc.StatusCode.UNAVAILABLE
+        assert finished == "length"  # the in-flight request finished
+    finally:
+        mesh.close()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if _alive(p)] == []
