@@ -1,0 +1,112 @@
+"""One sequence as the scheduler tracks it, and the enums of its life."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvcache import BlockHashChain, BlockTable
+
+
+class SeqState(Enum):
+    """Where a sequence is. Transitions: WAITING -> RUNNING -> (WAITING on preemption) ...
+    -> FINISHED; an extra choice starts CHOICE_PENDING and becomes RUNNING when forked."""
+
+    WAITING = "waiting"  # in the waiting queue, holds no blocks (new or preempted)
+    RUNNING = "running"  # holds blocks; prefilling or decoding; maybe in flight
+    CHOICE_PENDING = "choice_pending"  # extra choice of a request whose prompt is not done yet
+    FINISHED = "finished"  # gone; its blocks are freed
+
+
+class FinishReason(Enum):
+    """Why a sequence ended, as the caller reports it (LENGTH also from max_model_len)."""
+
+    STOP = "stop"  # EOS or a stop token
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+    ABORTED = "aborted"  # client cancel, deadline, disconnect
+
+
+class NoticeKind(Enum):
+    """What the next plan tells the stages about a sequence they know."""
+
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """An extra choice (``n > 1``) of a request: its sequence id and opaque sampling object."""
+
+    seq_id: int
+    sampling: object
+
+
+class Sequence:
+    """Mutable scheduler-side state of one sequence (identity equality; hot-path slots).
+
+    Token accounting (invariants checked by ``SchedulerState.check_integrity``):
+      * ``token_ids`` are the tokens the router knows: prompt, then generated.
+      * ``num_pending`` tokens have been sampled by steps still in flight and are not known
+        yet; ``num_total = len(token_ids) + num_pending``.
+      * ``num_computed`` positions have their KV written or scheduled in a sent step;
+        ``num_computed <= num_total`` and the block table has ``>= num_computed`` slots.
+      * A sequence is a decode when ``num_computed == num_total - 1``: its one input is the
+        last token, known (``token_ids[-1]``) or pending (sampled at ``last_sample_step``).
+    """
+
+    __slots__ = (
+        "arrival", "extra_choices", "free_notice_pending", "hash_chain", "known_to_stages",
+        "last_sample_step", "last_step_id", "num_block_ids_sent", "num_computed", "num_inflight",
+        "num_pending", "num_preemptions", "num_prompt_tokens", "num_tokens_sent", "order_key",
+        "parent", "priority", "sampling", "seq_id", "state", "table", "token_ids",
+    )
+
+    def __init__(self, seq_id: int, token_ids: list[int], sampling: object, priority: int,
+                 order_key: tuple[int, int, int], hash_chain: BlockHashChain) -> None:
+        self.seq_id = seq_id
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling = sampling
+        self.priority = priority
+        self.order_key = order_key  # (priority, arrival, choice index): lower runs first
+        self.arrival = order_key[1]
+        self.hash_chain = hash_chain  # survives preemption: the history only grows
+        self.state = SeqState.WAITING
+        self.table: BlockTable | None = None
+        self.num_computed = 0
+        self.num_pending = 0
+        self.num_inflight = 0  # outstanding steps that include this sequence (<= 2)
+        self.last_step_id = -1
+        self.last_sample_step = -1
+        self.known_to_stages = False  # sent as new since it last held blocks
+        self.num_block_ids_sent = 0
+        # Tokens in the stages' copy of the history: sent, or due over the data plane (a
+        # run-ahead input). known_to_stages => num_computed <= num_tokens_sent <= num_total.
+        self.num_tokens_sent = 0
+        self.free_notice_pending = False  # stages not yet told it was preempted
+        self.num_preemptions = 0
+        self.extra_choices: list[Sequence] = []  # CHOICE_PENDING siblings forked off this one
+        self.parent: Sequence | None = None  # set while CHOICE_PENDING
+
+    @property
+    def num_total(self) -> int:
+        """Known plus pending tokens."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Known generated tokens."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def compute_limit(self) -> int:
+        """Positions to compute before the fork point: ``num_total`` normally, one less while
+        extra choices wait (each choice then computes the last prompt token itself)."""
+        return self.num_total - 1 if self.extra_choices else self.num_total
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.state.value}, tokens={len(self.token_ids)}"
+                f"+{self.num_pending}, computed={self.num_computed}, "
+                f"inflight={self.num_inflight})")

@@ -1,0 +1,45 @@
+"""The data plane: activations between neighbouring pipeline stages, never over gRPC.
+
+One `Transport` contract (``transport.py``), one wire format (``wire.py``), and the ``tcp``
+implementation; CUDA IPC and NCCL transports implement the same contract later.
+"""
+
+from stage_worker.dataplane.config import (
+    DataPlaneConfig,
+    LinkSpec,
+    TransportKind,
+    new_link_token,
+)
+from stage_worker.dataplane.link import open_link, open_listener
+from stage_worker.dataplane.tcp import TcpListener, TcpTransport
+from stage_worker.dataplane.transport import (
+    LinkClosedError,
+    LinkListener,
+    LinkRefusedError,
+    LinkUnreachableError,
+    ProtocolError,
+    StepMismatchError,
+    Transport,
+    TransportError,
+    TransportTimeout,
+)
+
+__all__ = [
+    "DataPlaneConfig",
+    "LinkClosedError",
+    "LinkListener",
+    "LinkRefusedError",
+    "LinkSpec",
+    "LinkUnreachableError",
+    "ProtocolError",
+    "StepMismatchError",
+    "TcpListener",
+    "TcpTransport",
+    "Transport",
+    "TransportError",
+    "TransportKind",
+    "TransportTimeout",
+    "new_link_token",
+    "open_link",
+    "open_listener",
+]

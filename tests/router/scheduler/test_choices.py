@@ -1,0 +1,64 @@
+"""n > 1: the prompt is computed once, then each choice forks off it (copy-on-write)."""
+
+from __future__ import annotations
+
+from kvcache import BlockCopy
+from router.scheduler import CachedSeq, ChoiceSpec, NewSeq, SeqState
+from tests.router.scheduler.driver import EOS, VOCAB, Driver, make_scheduler
+from tests.router.scheduler.fake_pipeline import reference_tokens
+
+
+def test_choices_share_the_prompt_blocks_and_copy_the_partial_one() -> None:
+    scheduler, pipeline = make_scheduler(num_blocks=16, block_size=4)
+    prompt = list(range(20, 30))  # 10 tokens: the shared part is 9 (blocks 0, 1 and 2/4)
+    scheduler.add_request(1, prompt, 1, extra_choices=[ChoiceSpec(2, 2), ChoiceSpec(3, 3)])
+    assert scheduler.get_state(2) is SeqState.CHOICE_PENDING
+    driver = Driver(scheduler, pipeline, max_tokens=dict.fromkeys((1, 2, 3), 8))
+    first = driver.plan()
+    assert first is not None
+    assert first.new_seqs == (NewSeq(1, tuple(prompt), 1, (0, 1, 2), 0, 9, False),)
+    driver.complete()
+    second = driver.plan()
+    assert second is not None
+    assert second.block_copies == (BlockCopy(2, 3), BlockCopy(2, 4))
+    assert second.cached_seqs == (CachedSeq(1, (), 9, 1, (), None, True),)  # 29 was sent
+    assert second.new_seqs == (NewSeq(2, tuple(prompt), 2, (0, 1, 3), 9, 1, True),
+                               NewSeq(3, tuple(prompt), 3, (0, 1, 4), 9, 1, True))
+    refs = [b.ref_count for b in scheduler.kv_cache.get_table(1).blocks]
+    assert refs == [3, 3, 1]
+    driver.run()
+    for seq_id in (1, 2, 3):
+        assert driver.outputs[seq_id] == reference_tokens(prompt, seq_id, VOCAB, 8, EOS)
+    assert len({tuple(driver.outputs[i]) for i in (1, 2, 3)}) == 3  # seeds differ
+    assert scheduler.kv_cache.usage().num_used_blocks == 0
+
+
+def test_choices_fork_at_admission_when_the_cache_holds_the_shared_prompt() -> None:
+    scheduler, pipeline = make_scheduler(num_blocks=16, block_size=4)
+    driver = Driver(scheduler, pipeline, max_tokens=dict.fromkeys((1, 2, 3), 3))
+    base = list(range(40, 48))
+    scheduler.add_request(1, [*base, 0], 1)
+    driver.run()
+    scheduler.add_request(2, [*base, 5], 2, extra_choices=[ChoiceSpec(3, 3)])
+    plan = driver.plan()
+    assert plan is not None and plan.block_copies == ()
+    (parent,) = plan.new_seqs
+    assert (parent.seq_id, parent.num_computed_tokens, parent.num_new_tokens) == (2, 8, 1)
+    assert scheduler.get_state(3) is SeqState.RUNNING  # forked already: the hit is shared
+    assert scheduler.kv_cache.get_table(3).block_ids == parent.block_ids[:2]
+    driver.run()
+    for seq_id in (2, 3):
+        assert driver.outputs[seq_id] == reference_tokens([*base, 5], seq_id, VOCAB, 3, EOS)
+
+
+def test_aborting_the_parent_before_the_fork_ends_its_pending_choices() -> None:
+    scheduler, pipeline = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(1, list(range(20)), 1, extra_choices=[ChoiceSpec(2, 2)])
+    driver = Driver(scheduler, pipeline)
+    driver.plan()
+    assert scheduler.abort(1)
+    assert scheduler.get_state(2) is None and not scheduler.abort(2)
+    driver.run()
+    assert scheduler.kv_cache.usage().num_used_blocks == 0
+    assert [i for p in driver.plans for i in p.aborted_seq_ids] == [1]
+    scheduler.check_integrity()
