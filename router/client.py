@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
@@ -149,8 +150,18 @@ class RouterClient:
         reply = await self.stub.Tokenize(req, metadata=self.metadata)
         return list(reply.token_ids)
 
-    async def model_info(self) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+    async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
+                                            metadata=self.metadata)
 
-    async def stats(self) -> pb.GetStatsResponse:
-        return await self.stub.GetStats(pb.GetStatsRequest(), metadata=self.metadata)
+    async def stats(self, timeout: float | None = None) -> pb.GetStatsResponse:
+        return await self.stub.GetStats(pb.GetStatsRequest(), timeout=timeout,
+                                        metadata=self.metadata)
+
+    async def health(self, service: str = "readiness", timeout: float | None = None) -> bool:
+        """Whether the router's health service reports `service` ("liveness" or
+        "readiness") as SERVING. Errors (router unreachable) raise `grpc.aio.AioRpcError`."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                 timeout=timeout, metadata=self.metadata)
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -104,6 +104,7 @@ class Pipeline:
         Raises PipelineError naming the stage that never answered or does not fit.
         """
         deadline = time.monotonic() + budget_s
+        next_log = 0.0
         while True:
             try:
                 return await self._start_once()
@@ -111,7 +112,10 @@ class Pipeline:
                 if time.monotonic() >= deadline:
                     raise PipelineError(f"pipeline did not come up within {budget_s:.0f}s: "
                                         f"{_describe_error(e)}") from e
-                log.info("pipeline not up yet (%s); retrying", _describe_error(e))
+                if time.monotonic() >= next_log:  # progress, not a line per retry
+                    log.info("waiting for stages (%s); %.0fs left", _describe_error(e),
+                             deadline - time.monotonic())
+                    next_log = time.monotonic() + 10.0
                 await asyncio.sleep(0.5)
 
     async def _start_once(self) -> PipelineShape:

@@ -21,7 +21,18 @@ PY
     kill -0 $SERVE 2>/dev/null || { echo "stagemesh serve exited" >&2; exit 1; }
     sleep 0.5
 done
-.venv/bin/stagemesh ask "${1:-What is the capital of France?}"
+QUESTION="${1:-What is the capital of France?}"
+echo "--- gRPC (stagemesh ask):" >&2
+.venv/bin/stagemesh ask "$QUESTION"
+echo "--- HTTP (OpenAI chat completions through the gateway):" >&2
+.venv/bin/python - "$QUESTION" <<'PY'
+import json, sys, urllib.request
+body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 128, "temperature": 0,
+        "messages": [{"role": "user", "content": sys.argv[1]}]}
+req = urllib.request.Request("http://127.0.0.1:8000/v1/chat/completions",
+                             json.dumps(body).encode(), {"Content-Type": "application/json"})
+print(json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["message"]["content"])
+PY
 if [ "${STAGEMESH_ONCE:-0}" = "1" ]; then exit 0; fi
 echo "serving: gRPC 127.0.0.1:50051, HTTP http://127.0.0.1:8000/v1 (Ctrl-C stops)" >&2
 wait $SERVE

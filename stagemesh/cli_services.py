@@ -30,6 +30,7 @@ def add_service_commands(commands: SubParsers) -> None:
     _add_stage(commands)
     _add_router(commands)
     _add_serve(commands)
+    _add_gateway(commands)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -165,3 +166,49 @@ def _serve(args: argparse.Namespace) -> int:
     from stagemesh.launcher import launch
 
     return launch(args)
+
+
+def _add_gateway(commands: SubParsers) -> None:
+    from gateway.config import DEFAULT_MAX_BODY_BYTES
+
+    p = commands.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    p.add_argument("--router", default=_env("STAGEMESH_ROUTER", "127.0.0.1:50051"),
+                   help="the router's gRPC address [$STAGEMESH_ROUTER]")
+    p.add_argument("--host", default=_env("STAGEMESH_GATEWAY_HOST", "127.0.0.1"),
+                   help="HTTP listener address [$STAGEMESH_GATEWAY_HOST]")
+    p.add_argument("--port", type=int, default=int(_env("STAGEMESH_GATEWAY_PORT", "8000")),
+                   help="HTTP port, 0 = any free one [$STAGEMESH_GATEWAY_PORT]")
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="write the bound host:port here once serving")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted bearer key (repeatable; also $STAGEMESH_API_KEYS, "
+                        "comma-separated, and --api-key-file); none = no authentication")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file with one API key per line ('#' comments)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body (beyond: 413); default 4 MiB, the router's "
+                        "gRPC request limit")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the router's)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="model directory whose tokenizer renders logprob tokens as text "
+                        "(default: the model store's copy of the served model)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="deadline in seconds for each router call (beyond: 504)")
+    p.set_defaults(handler=_gateway)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.config import GatewayConfig, load_api_keys
+    from gateway.server import run_gateway
+
+    try:
+        keys = load_api_keys(args.api_key, os.environ.get("STAGEMESH_API_KEYS"),
+                             args.api_key_file)
+        cfg = GatewayConfig(
+            router=args.router, host=args.host, port=args.port, api_keys=keys,
+            max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
+            tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"stagemesh gateway: {e}") from None
+    return run_gateway(cfg, args.ready_file)

@@ -104,7 +104,8 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
     children.append(Child("router", router, workdir / "router", restart=False))
     if args.gateway_port:
         gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
-                   "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway")]
+                   "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway"),
+                   "--tokenizer", model]
         children.append(Child("gateway", gateway, workdir / "gateway", restart=True))
     return children
 

@@ -74,15 +74,21 @@ class Proc:
 
 
 class Mesh:
-    """`stagemesh serve` with the given flags; `address` is the router's gRPC endpoint."""
+    """`stagemesh serve` with the given flags; `address` is the router's gRPC endpoint.
 
-    def __init__(self, *flags: str, timeout: float = 300.0) -> None:
+    `gateway_port`: None (default) runs no HTTP gateway; a port (from `free_port()`) runs
+    one there, and `gateway_url` is its base URL ("http://127.0.0.1:PORT", no /v1).
+    """
+
+    def __init__(self, *flags: str, timeout: float = 300.0,
+                 gateway_port: int | None = None) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "stagemesh", "serve", "--port", str(self.port),
-                "--gateway-port", "0", "--device", "cpu", *flags]
+                "--gateway-port", str(gateway_port or 0), "--device", "cpu", *flags]
         self.proc = Proc(argv)
         self.proc.wait_for(r"stagemesh ready", timeout)
         self.address = f"127.0.0.1:{self.port}"
+        self.gateway_url = f"http://127.0.0.1:{gateway_port}" if gateway_port else None
         self.pids = {m.group(1): int(m.group(2)) for m in (
             re.match(r"\s+(stage \d+|router|gateway)\s+pid (\d+)", line)
             for line in self.proc.lines) if m}

@@ -90,7 +90,7 @@ class StepBuilder:
         sampling = self.sampling
         cache_unit = self.block_size if self.caching else 1 << 62
         append_slots = self.state.kv.append_slots
-        num_fast = num_decodes = 0
+        num_slow = num_decodes = 0
         deferred: list[Sequence] = []
         for seq in running:  # preemption pops from the end only: the iterator stops sooner
             if seq.num_inflight and not self._eligible(seq):
@@ -104,7 +104,8 @@ class StepBuilder:
                 continue  # (at max_len it awaits its last token; running tables are never None)
             new_ids = append_slots(seq.seq_id, start + 1) if start >= table.num_slots else ()
             if seq.known_to_stages and new_ids is not None:
-                seq.num_block_ids_sent = len(table.blocks)  # known: all sent but new_ids
+                if new_ids:  # a known sequence has sent every block but these
+                    seq.num_block_ids_sent = len(table.blocks)
                 item: tuple[object, ...]
                 if start < num_known:  # the stages' history lacks the input token, normally
                     sent = seq.num_tokens_sent
@@ -122,14 +123,14 @@ class StepBuilder:
                 sampling.append(seq)
                 if num_known >= (table.num_cached_blocks + 1) * cache_unit:
                     self.to_cache.append(seq)
-                num_fast += 1
             elif self._reserve(seq, start + 1):
-                self._emit(seq, 1, True)
+                self._emit(seq, 1, True)  # charges the budgets itself
+                num_slow += 1
             else:
                 continue
             num_decodes += 1
-        self.token_budget -= num_fast
-        self.seq_budget -= num_fast
+        self.token_budget -= num_decodes - num_slow
+        self.seq_budget -= num_decodes - num_slow
         return deferred
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:

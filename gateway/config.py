@@ -1,0 +1,62 @@
+"""The gateway process's configuration, composed once at start-up, and API-key loading."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# The router refuses gRPC requests over 4 MiB (`RouterConfig.max_request_bytes`): a larger
+# HTTP body could never be forwarded, so the gateway refuses it with 413 before parsing.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Attributes:
+        router: host:port of the router's public gRPC API.
+        host / port: the HTTP listener (port 0 = any free port).
+        api_keys: accepted bearer keys; empty = no authentication.
+        max_body_bytes: largest request body accepted (beyond: 413).
+        served_model_name: the name clients use; None = the router's own name. When set,
+            requests naming another model get 404 from the gateway itself.
+        tokenizer_dir: HF-layout directory whose tokenizer.json renders token ids as text in
+            `logprobs`; None = the model store's copy of the served model, if any.
+        request_timeout_s: deadline for each router call (DEADLINE_EXCEEDED -> 504); None =
+            no deadline.
+        max_prompts: most prompts in one /v1/completions request (each is a router call).
+        drain_timeout_s: on SIGTERM, how long open responses may take to finish.
+    """
+
+    router: str = "127.0.0.1:50051"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: frozenset[str] = frozenset()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    served_model_name: str | None = None
+    tokenizer_dir: Path | None = None
+    request_timeout_s: float | None = None
+    max_prompts: int = 64
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if any(not k or k != k.strip() for k in self.api_keys):
+            raise ValueError("API keys must be non-empty and carry no surrounding whitespace")
+
+
+def load_api_keys(flags: Iterable[str], env_value: str | None, key_file: Path | None
+                  ) -> frozenset[str]:
+    """Every key from the flags, the comma-separated environment value and the file (one key
+    per line; blank lines and lines starting with '#' are skipped). Empty: auth is off."""
+    keys = {k.strip() for k in flags}
+    if env_value:
+        keys |= {k.strip() for k in env_value.split(",")}
+    if key_file is not None:
+        for line in key_file.read_text("utf-8").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                keys.add(line.strip())
+    return frozenset(k for k in keys if k)

@@ -1,0 +1,171 @@
+"""The edge between OpenAI JSON and the router: a `GenerationSpec` becomes GenerateRequests
+(through `router.client.build_request`), and router `Chunk`s become OpenAI responses.
+
+Choice indices follow OpenAI: prompt p's choice i is index p * n + i. Usage sums all prompts.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.params import Endpoint, GenerationSpec
+from gateway.tokens import TokenTexts
+from protos.stagemesh.v1 import inference_pb2 as pb
+from router.client import Chunk, build_request
+
+LogprobEntry = tuple[int, float, tuple[tuple[int, float], ...]]  # (id, logprob, top)
+
+
+def router_requests(spec: GenerationSpec, model: str, request_id: str
+                    ) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per prompt; ids are `request_id-<prompt index>`."""
+    return [build_request(p.text, messages=p.messages, token_ids=p.token_ids, model=model,
+                          request_id=f"{request_id}-{i}", **spec.options)
+            for i, p in enumerate(spec.prompts)]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one choice, logprobs already in the endpoint's format."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: Any
+    finish_reason: str | None
+    first: bool
+
+
+@dataclass
+class _Choice:
+    """Everything one choice has produced so far. `chars`: characters of its text;
+    `token_chars`: characters its tokens' bytes have completed (for `text_offset`)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    chars: int = 0
+    token_chars: int = 0
+    utf8: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+
+class ResponseBuilder:
+    """Turns the chunks of one HTTP request's router calls into OpenAI JSON, streamed
+    (`stream_chunk` per delta, then `usage_chunk`) or whole (`response`)."""
+
+    def __init__(self, spec: GenerationSpec, response_id: str, model: str, created: int,
+                 texts: TokenTexts) -> None:
+        self.spec = spec
+        self.chat = spec.endpoint is Endpoint.CHAT
+        self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat
+                     else "text_completion", "created": created, "model": model}
+        self.texts = texts
+        self.choices: dict[int, _Choice] = {}
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+
+    def delta(self, prompt: int, chunk: Chunk) -> Delta | None:
+        """Account one chunk of prompt `prompt`'s call; None for the usage chunk."""
+        if chunk.usage is not None:
+            for key in self.usage:
+                src = "cached_prompt_tokens" if key == "cached_tokens" else key
+                self.usage[key] += chunk.usage.get(src, 0)
+            return None
+        index = prompt * self.spec.n + chunk.index
+        first = index not in self.choices
+        choice = self.choices.setdefault(index, _Choice())
+        logprobs = None
+        if self.spec.logprobs is not None:
+            logprobs = (self._chat_logprobs(chunk.logprobs) if self.chat
+                        else self._completion_logprobs(choice, chunk))
+            for key, values in logprobs.items():
+                choice.logprobs.setdefault(key, []).extend(values)
+        choice.chars += len(chunk.text)
+        choice.text.append(chunk.text)
+        choice.token_ids.extend(chunk.token_ids)
+        choice.finish_reason = chunk.finish_reason or choice.finish_reason
+        return Delta(index, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, first)
+
+    def _chat_logprobs(self, entries: tuple[LogprobEntry, ...]) -> dict[str, list[Any]]:
+        content = []
+        for token_id, logprob, top in entries:
+            text, raw = self.texts.get(token_id)
+            content.append({"token": text, "logprob": logprob, "bytes": raw,
+                            "top_logprobs": [self._entry(i, v) for i, v in top]})
+        return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self.texts.get(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def _completion_logprobs(self, choice: _Choice, chunk: Chunk) -> dict[str, list[Any]]:
+        """OpenAI's legacy format. top_logprobs holds the top alternatives plus the sampled
+        token (OpenAI: "up to logprobs + 1 elements"). text_offset is where each token's
+        text starts in the choice's text, in characters: counted from the token's bytes
+        when a tokenizer is known, else the start of the chunk's text."""
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}
+        for token_id, logprob, top in chunk.logprobs:
+            text, raw = self.texts.get(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            tops = {self.texts.get(i)[0]: v for i, v in top}
+            tops.setdefault(text, logprob)
+            out["top_logprobs"].append(tops)
+            out["text_offset"].append(choice.token_chars if raw is not None else choice.chars)
+            if raw is not None:
+                choice.token_chars += len(choice.utf8.decode(bytes(raw)))
+        return out
+
+    def stream_chunk(self, d: Delta) -> dict[str, Any] | None:
+        """The SSE chunk for a delta, or None when it carries nothing a client would see."""
+        if not (d.text or d.finish_reason or d.logprobs or (self.chat and d.first)
+                or (self.spec.return_token_ids and d.token_ids)):
+            return None
+        choice: dict[str, Any] = {"index": d.index}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if d.first else {}
+            if d.text or d.first:
+                delta["content"] = d.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = d.text
+        choice["logprobs"] = d.logprobs
+        choice["finish_reason"] = d.finish_reason
+        if self.spec.return_token_ids:
+            choice["token_ids"] = list(d.token_ids)
+        body: dict[str, Any] = {**self.head, "choices": [choice]}
+        if self.spec.include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last
+        return body
+
+    def usage_json(self) -> dict[str, int | dict[str, int]]:
+        u = self.usage
+        return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": self.usage_json()}
+
+    def response(self) -> dict[str, Any]:
+        """The whole (non-streamed) response from every accumulated delta."""
+        choices = []
+        for index in sorted(self.choices):
+            c = self.choices[index]
+            text = "".join(c.text)
+            out: dict[str, Any] = {"index": index}
+            if self.chat:
+                out["message"] = {"role": "assistant", "content": text}
+            else:
+                out["text"] = text
+            out["logprobs"] = c.logprobs if self.spec.logprobs is not None else None
+            out["finish_reason"] = c.finish_reason
+            if self.spec.return_token_ids:
+                out["token_ids"] = c.token_ids
+            choices.append(out)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self.head, "object": obj, "choices": choices, "usage": self.usage_json()}

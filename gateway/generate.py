@@ -1,0 +1,115 @@
+"""POST /v1/completions and /v1/chat/completions: parse, call the router, answer.
+
+Streamed or not, the router calls run inside `Exchange.unless_disconnected`: a client that
+goes away cancels them, which aborts the requests and frees their KV blocks everywhere.
+Errors the router reports before the first token become the HTTP status; later ones (a stage
+down past the recovery budget) become an SSE `data: {"error": ...}` event before [DONE].
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.convert import ResponseBuilder, router_requests
+from gateway.errors import APIError, from_rpc_error
+from gateway.http import Exchange
+from gateway.metrics import GatewayMetrics
+from gateway.params import Endpoint, GenerationSpec, parse_chat, parse_completions
+from gateway.served import ServedModel
+from gateway.streams import RouterStreams
+from protos.stagemesh.v1 import inference_pb2 as pb
+from router.client import RouterClient
+
+log = logging.getLogger("stagemesh.gateway")
+
+
+def _renames(spec: GenerationSpec) -> dict[str, str]:
+    """Router field names -> the names this endpoint's clients sent."""
+    if spec.endpoint is Endpoint.CHAT:
+        return {"prompt": "messages", "input": "messages", "logprobs": "top_logprobs",
+                "max_tokens": spec.max_tokens_field}
+    return {"prompt_token_ids": "prompt", "input": "prompt"}
+
+
+def _as_api_error(exc: Exception, spec: GenerationSpec) -> APIError:
+    if isinstance(exc, grpc.RpcError):
+        return from_rpc_error(exc, _renames(spec))
+    log.error("router call failed: %r", exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
+
+class GenerateHandler:
+    def __init__(self, cfg: GatewayConfig, client: RouterClient, served: ServedModel,
+                 metrics: GatewayMetrics) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.served = served
+        self.metrics = metrics
+
+    async def __call__(self, ex: Exchange, endpoint: Endpoint, route: str) -> None:
+        started = time.monotonic()
+        body = await ex.read_json(self.cfg.max_body_bytes)
+        spec = (parse_chat(body) if endpoint is Endpoint.CHAT
+                else parse_completions(body, self.cfg.max_prompts))
+        try:
+            view = await self.served.get()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        router_model = self.served.router_model(view, spec.model)
+        prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        log.info("%s %s: %d prompt(s), n=%d, stream=%s, user=%r", route, response_id,
+                 len(spec.prompts), spec.n, spec.stream, spec.user)
+        requests = router_requests(spec, router_model, response_id)
+        builder = ResponseBuilder(spec, response_id, view.name, int(time.time()), view.texts)
+        run = self._stream if spec.stream else self._collect
+        if await ex.unless_disconnected(run(ex, spec, requests, builder, route, started)):
+            self.metrics.disconnects.inc()
+            log.info("%s %s: client disconnected; router calls cancelled", route, response_id)
+        u = builder.usage
+        self.metrics.tokens.inc((("kind", "prompt"),), u["prompt_tokens"])
+        self.metrics.tokens.inc((("kind", "completion"),), u["completion_tokens"])
+
+    def _first_token(self, builder: ResponseBuilder, route: str, started: float) -> None:
+        if not builder.choices:
+            self.metrics.ttft.observe(time.monotonic() - started, (("route", route),))
+
+    async def _collect(self, ex: Exchange, spec: GenerationSpec,
+                       requests: list[pb.GenerateRequest], builder: ResponseBuilder,
+                       route: str, started: float) -> None:
+        async with RouterStreams(self.client, requests, self.cfg.request_timeout_s) as streams:
+            try:
+                async for prompt, chunk in streams:
+                    self._first_token(builder, route, started)
+                    builder.delta(prompt, chunk)
+            except Exception as e:  # every failure becomes one HTTP error
+                raise _as_api_error(e, spec) from e
+        await ex.json(200, builder.response())
+
+    async def _stream(self, ex: Exchange, spec: GenerationSpec,
+                      requests: list[pb.GenerateRequest], builder: ResponseBuilder,
+                      route: str, started: float) -> None:
+        async with RouterStreams(self.client, requests, self.cfg.request_timeout_s) as streams:
+            try:
+                await streams.prime()
+            except Exception as e:
+                raise _as_api_error(e, spec) from e
+            await ex.start_events()
+            try:
+                async for prompt, chunk in streams:
+                    self._first_token(builder, route, started)
+                    delta = builder.delta(prompt, chunk)
+                    event = builder.stream_chunk(delta) if delta is not None else None
+                    if event is not None:
+                        await ex.event(event)
+            except Exception as e:  # headers are sent: report in the stream
+                await ex.event(_as_api_error(e, spec).body())
+            else:
+                if spec.include_usage:
+                    await ex.event(builder.usage_chunk())
+            await ex.end_events()

@@ -1,0 +1,211 @@
+"""OpenAI request bodies -> `GenerationSpec`: what to ask the router, and how to answer.
+
+Field types are checked here (`gateway.fields`); value ranges are left to the router, which
+names the field and the limit. Features the router cannot honour (echo, suffix, best_of > n,
+logit_bias, tools, a non-text response_format) are refused with 400 rather than ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from gateway.errors import invalid
+from gateway.fields import INT64, Fields, check_text, wrong_type
+
+# OpenAI's legacy /v1/completions default; chat defaults to "what fits" (the router's).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_SAMPLING = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty")
+# OpenAI renamed "system" to "developer" for newer models; the chat templates know "system".
+_ROLE_ALIASES = {"developer": "system"}
+
+
+class Endpoint(Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: exactly one of text, token ids or chat messages is set."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A parsed request. `options` are keyword arguments for `router.client.build_request`
+    (sampling, max_tokens, stop, n, logprobs, ...); `logprobs` is the router's value (the
+    number of alternatives per token, None = none); `max_tokens_field` is the name the
+    client used for the output limit, for error messages."""
+
+    endpoint: Endpoint
+    model: str | None
+    prompts: tuple[Prompt, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    return_token_ids: bool
+    user: str | None
+    max_tokens_field: str
+    options: dict[str, Any]
+
+
+def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
+    f = Fields(body)
+    _refuse_unsupported(f, echo=False, suffix="", logit_bias={})
+    n = f.integer("n")
+    best_of = f.integer("best_of")
+    if best_of is not None and best_of != (n or 1):
+        raise invalid("best_of", f"best_of must equal n ({n or 1}) or be unset; "
+                                 f"ranking {best_of} candidates is not supported")
+    logprobs = f.integer("logprobs")
+    max_tokens = f.integer("max_tokens")
+    options = _common_options(f)
+    options["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    return _spec(f, Endpoint.COMPLETIONS, parse_prompts(f.raw("prompt"), max_prompts), n,
+                 logprobs, "max_tokens", options)
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationSpec:
+    f = Fields(body)
+    _refuse_unsupported(f, logit_bias={}, tools=[])
+    _check_tool_choice_and_format(f)
+    messages = parse_messages(f.array("messages"))
+    logprobs = None
+    top = f.integer("top_logprobs")
+    if f.boolean("logprobs"):
+        logprobs = 0 if top is None else top
+    elif top is not None:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
+    options = _common_options(f)
+    field = "max_completion_tokens" if f.raw("max_completion_tokens") is not None \
+        else "max_tokens"
+    options["max_tokens"] = f.integer(field)
+    return _spec(f, Endpoint.CHAT, (Prompt(messages=messages),), f.integer("n"), logprobs,
+                 field, options)
+
+
+def _spec(f: Fields, endpoint: Endpoint, prompts: tuple[Prompt, ...], n: int | None,
+          logprobs: int | None, max_tokens_field: str, options: dict[str, Any]
+          ) -> GenerationSpec:
+    stream = bool(f.boolean("stream"))
+    stream_options = f.obj("stream_options")
+    if stream_options is not None and not stream:
+        raise invalid("stream_options", "stream_options is only allowed when stream is true")
+    include_usage = bool(stream_options and stream_options.boolean("include_usage"))
+    options.update(n=n, logprobs=logprobs)
+    return GenerationSpec(
+        endpoint=endpoint, model=f.string("model"), prompts=prompts, n=1 if n is None else n,
+        stream=stream, include_usage=include_usage, logprobs=logprobs,
+        return_token_ids=bool(f.boolean("return_token_ids")), user=f.string("user"),
+        max_tokens_field=max_tokens_field, options=options)
+
+
+def _common_options(f: Fields) -> dict[str, Any]:
+    """The build_request arguments both endpoints share (vLLM's extensions included)."""
+    options: dict[str, Any] = {key: f.number(key) for key in _SAMPLING}
+    options["top_k"] = f.integer("top_k")
+    options["seed"] = f.integer("seed", INT64)
+    options["stop"] = f.strings("stop") or ()
+    options["stop_token_ids"] = f.integers("stop_token_ids") or ()
+    options["ignore_eos"] = bool(f.boolean("ignore_eos"))
+    options["priority"] = f.integer("priority") or 0
+    return options
+
+
+def _refuse_unsupported(f: Fields, **defaults: Any) -> None:
+    """Fields OpenAI defines that the router cannot honour: accepted only at their default."""
+    for key, default in defaults.items():
+        value = f.raw(key)
+        if value is not None and value != default:
+            raise invalid(key, f"{key} is not supported by this server (got {value!r})")
+
+
+def _check_tool_choice_and_format(f: Fields) -> None:
+    choice = f.raw("tool_choice")
+    if choice is not None and choice != "none":
+        raise invalid("tool_choice", "tools are not supported; tool_choice may only be 'none'")
+    fmt = f.obj("response_format")
+    if fmt is not None and fmt.string("type") not in (None, "text"):
+        raise invalid("response_format", "only response_format {'type': 'text'} is supported")
+
+
+def parse_prompts(value: Any, max_prompts: int) -> tuple[Prompt, ...]:
+    """OpenAI's `prompt`: a string, an array of strings, an array of token ids, or an array
+    of arrays of token ids. Each entry of an array of prompts gets its own choices."""
+    if isinstance(value, str):
+        return (Prompt(text=check_text("prompt", value)),)
+    if not isinstance(value, list):
+        raise wrong_type("prompt", "a string, an array of strings or an array of token ids",
+                         value)
+    if not value:
+        raise invalid("prompt", "prompt must not be empty")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return (Prompt(token_ids=_token_ids("prompt", value)),)
+    if len(value) > max_prompts:
+        raise invalid("prompt", f"prompt has {len(value)} prompts, at most {max_prompts} "
+                                "are allowed per request")
+    prompts = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append(Prompt(text=check_text(f"prompt[{i}]", item)))
+        elif isinstance(item, list):
+            prompts.append(Prompt(token_ids=_token_ids(f"prompt[{i}]", item)))
+        else:
+            raise wrong_type(f"prompt[{i}]", "a string or an array of token ids", item)
+    return tuple(prompts)
+
+
+def _token_ids(name: str, values: list[Any]) -> tuple[int, ...]:
+    for j, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise wrong_type(f"{name}[{j}]", "an integer token id", v)
+        if not -(1 << 63) <= v < (1 << 63):
+            raise invalid(f"{name}[{j}]", f"{name}[{j}] = {v} is not a token id")
+    return tuple(values)
+
+
+def parse_messages(value: list[Any] | None) -> tuple[dict[str, str], ...]:
+    """Chat messages with string content, or content as an array of text parts (joined with
+    newlines). Roles are checked by the router against the chat template's."""
+    if value is None:
+        raise invalid("messages", "messages is required")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise wrong_type(f"messages[{i}]", "an object", item)
+        m = Fields(item, f"messages[{i}].")
+        role = m.string("role")
+        if role is None:
+            raise invalid(f"messages[{i}].role", f"messages[{i}].role is required")
+        out.append({"role": _ROLE_ALIASES.get(role, role),
+                    "content": _content(f"messages[{i}].content", m.raw("content"))})
+    return tuple(out)
+
+
+def _content(name: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return check_text(name, value)
+    if not isinstance(value, list):
+        raise wrong_type(name, "a string or an array of content parts", value)
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise wrong_type(f"{name}[{j}]", "an object", part)
+        p = Fields(part, f"{name}[{j}].")
+        if p.string("type") != "text":
+            raise invalid(f"{name}[{j}].type", f"{name}[{j}].type must be 'text'; only text "
+                                               "content is supported")
+        text = p.string("text")
+        if text is None:
+            raise invalid(f"{name}[{j}].text", f"{name}[{j}].text is required")
+        texts.append(text)
+    return "\n".join(texts)
