@@ -23,10 +23,11 @@ def test_main_writes_json_with_revision(tmp_path: Path) -> None:
     out = tmp_path / "nested" / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_scheduler", "--seqs", "8", "--steps", "10",
-         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+         "--repeats", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
-    assert doc["revision"] and doc["config"]["seqs"] == 8
+    assert doc["revision"] and doc["config"]["seqs"] == 8 and doc["config"]["repeats"] == 1
     assert [(r["P"], r["run_ahead"]) for r in doc["results"]] == [
         (1, False), (1, True), (2, False), (4, False), (4, True)]
     assert "us/step" in done.stdout
