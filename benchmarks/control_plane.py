@@ -51,17 +51,20 @@ def main() -> None:
     ap.add_argument("--stages", default="1,2")
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--window", type=float, default=5.0)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="router's tokens per streamed update")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/w6-{dt.date.today()}.json"))
     args = ap.parse_args()
     config: dict[str, Any] = {"workload": "W6", "model": "smollm2-135m (config only)",
                               "compute": "fake (no model work)", "transport": "tcp",
-                              "seqs": args.seqs, "tp": 1, "revision": git_revision()}
+                              "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
+                              "revision": git_revision()}
     print(config)
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
         with Mesh("--stages", str(p), "--fake-compute", "--max-num-seqs", str(args.seqs),
-                  "--num-blocks", "8192") as mesh:
+                  "--num-blocks", "8192", "--stream-interval", str(args.stream_interval)) as mesh:
             result = asyncio.run(measure(mesh.address, args.seqs, args.window))
         rows.append({"stages": p, **result})
         print(rows[-1], flush=True)

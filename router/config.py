@@ -24,6 +24,7 @@ class RouterConfig:
         step_timeout_s: a step without a result after this long marks the pipeline down.
         drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
         max_request_bytes: largest gRPC request accepted (beyond: RESOURCE_EXHAUSTED).
+        stream_interval: tokens per streamed update (1 = every token).
     """
 
     model_dir: Path
@@ -44,3 +45,4 @@ class RouterConfig:
     step_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     max_request_bytes: int = 4 << 20
+    stream_interval: int = 1

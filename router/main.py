@@ -45,7 +45,8 @@ class RouterApp:
         if cfg.max_model_len:
             self.context = min(self.context, cfg.max_model_len)
         pipeline = Pipeline(list(cfg.stage_addresses), lambda r: None, lambda r: None)
-        self.engine = Engine(EngineConfig(cfg.step_timeout_s, cfg.recovery_budget_s),
+        self.engine = Engine(EngineConfig(cfg.step_timeout_s, cfg.recovery_budget_s,
+                                          cfg.stream_interval),
                              self._make_scheduler, pipeline, self.tokenizer)
         self.limits = cfg.limits or RequestLimits(max_model_len=self.context,
                                                   vocab_size=self.vocab)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -56,7 +57,7 @@ class RequestFailed:
 StreamItem = ChoiceDelta | RequestDone | RequestFailed
 
 
-def coalesce(items: list[StreamItem]) -> list[StreamItem]:
+def coalesce(items: Sequence[StreamItem]) -> list[StreamItem]:
     """Merge consecutive deltas of the same choice (a consumer that fell behind sends one
     message for several tokens instead of one per token). Order is kept."""
     out: list[StreamItem] = []

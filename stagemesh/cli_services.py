@@ -101,6 +101,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-budget", type=float, default=300.0)
     p.add_argument("--recovery-budget", type=float, default=60.0)
     p.add_argument("--step-timeout", type=float, default=30.0)
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed update (1 = every token)")
 
 
 def _add_router(commands: SubParsers) -> None:
@@ -129,7 +131,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> object:
         max_queued_tokens=args.max_queued_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
-        step_timeout_s=args.step_timeout,
+        step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
     )
 
 

@@ -96,7 +96,8 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
               "--max-queued-tokens", str(args.max_queued_tokens),
               "--startup-budget", str(args.startup_budget),
               "--recovery-budget", str(args.recovery_budget),
-              "--step-timeout", str(args.step_timeout)]
+              "--step-timeout", str(args.step_timeout),
+              "--stream-interval", str(args.stream_interval)]
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:

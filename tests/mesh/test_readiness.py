@@ -45,6 +45,7 @@ def test_readiness_tracks_the_stage_and_requests_survive_a_restart() -> None:
                    "--step-timeout", "10"])
     address = f"127.0.0.1:{router_port}"
     stage = None
+    restarted: list[Proc] = []
     try:
         _wait_status(address, NOT_SERVING, 30)  # listening, no stage yet
         time.sleep(1.0)
@@ -81,13 +82,12 @@ def test_readiness_tracks_the_stage_and_requests_survive_a_restart() -> None:
                 return list(await asyncio.gather(*tasks))
 
         want = asyncio.run(reference())
-        restarted: list[Proc] = []
         texts = asyncio.run(with_fault())
-        stage = restarted[0]
         assert texts == [want] * 4  # the same text a fault-free run gives (greedy)
         _wait_status(address, SERVING, 30)
         wait_idle(inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(address)))
     finally:
         router.stop()
-        if stage is not None:
-            stage.stop()
+        for proc in [stage, *restarted]:
+            if proc is not None:
+                proc.stop()
