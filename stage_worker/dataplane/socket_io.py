@@ -1,4 +1,9 @@
-"""Whole-buffer socket I/O without copies: scatter-gather sends, receives into caller memory.
+"""Whole-buffer socket I/O with few copies and few syscalls.
+
+Sends are scatter-gather (``sendmsg`` of header + payloads). Receives go through a small
+staging buffer for headers, which one ``recv`` fills with as much as has arrived: a whole header,
+often a whole small message. Payload bytes that arrived with the header are copied out of it;
+the rest of a payload is received straight into the tensor's memory.
 
 The socket stays in blocking mode for its whole life: a receive with a deadline waits with
 ``poll`` first instead of ``settimeout``, so a bounded ``recv`` on one thread never changes the
@@ -11,7 +16,6 @@ import math
 import select
 import socket
 import time
-from collections import deque
 from collections.abc import Sequence
 
 from stage_worker.dataplane.transport import LinkClosedError
@@ -22,7 +26,7 @@ _MAX_IOV = 1024
 
 
 class DeadlineExpiredError(Exception):
-    """A deadline ran out after ``transferred`` bytes of the buffers had been sent/received."""
+    """A deadline ran out; for sends, ``transferred`` bytes had gone out."""
 
     def __init__(self, transferred: int) -> None:
         super().__init__(f"deadline expired after {transferred} bytes")
@@ -39,7 +43,7 @@ def send_all(
 
     Args:
         sock: a blocking stream socket.
-        buffers: byte buffers, sent back to back; empty ones are skipped.
+        buffers: flat byte buffers, sent back to back; empty ones are skipped.
         deadline: ``time.monotonic()`` value after which to give up, or None to block until
             everything is queued. With a deadline each ``sendmsg`` is non-blocking
             (``MSG_DONTWAIT``) and the wait for buffer space is a ``poll``.
@@ -49,30 +53,35 @@ def send_all(
         DeadlineExpiredError: the deadline ran out (``transferred`` counts the bytes sent).
         LinkClosedError: the peer reset the connection or the socket was closed.
     """
-    pending = deque(memoryview(b).cast("B") for b in buffers if len(b))
+    pending = [b for b in buffers if len(b)]
+    total = sum(len(b) for b in pending)
     flags = 0 if deadline is None else socket.MSG_DONTWAIT
     done = 0
     try:
-        while pending:
+        while done < total:
             if deadline is not None:
                 assert poller is not None, "a deadline needs a poller"
                 _wait(poller, deadline, done)
             try:
-                sent = sock.sendmsg(list(pending)[:_MAX_IOV], [], flags)
+                sent = sock.sendmsg(pending[:_MAX_IOV], [], flags)
             except BlockingIOError:
                 continue
             done += sent
-            # Drop what went out; a partial write leaves a tail of the first unsent buffer.
-            while sent:
-                head = pending[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    pending.popleft()
-                else:
-                    pending[0] = head[sent:]
-                    sent = 0
+            if done < total:  # partial write: drop what went out, keep the tail
+                pending = _drop_front(pending, sent)
     except OSError as e:  # EPIPE, ECONNRESET, EBADF after a concurrent close
         raise LinkClosedError(f"data-plane peer went away while sending: {e}") from e
+
+
+def _drop_front(buffers: list[bytes | memoryview], n: int) -> list[bytes | memoryview]:
+    """``buffers`` without their first ``n`` bytes (whole buffers dropped, one sliced)."""
+    i = 0
+    while n >= len(buffers[i]):
+        n -= len(buffers[i])
+        i += 1
+    rest = buffers[i:]
+    rest[0] = memoryview(rest[0])[n:]
+    return rest
 
 
 def _wait(poller: select.poll, deadline: float, done: int) -> None:
@@ -82,34 +91,74 @@ def _wait(poller: select.poll, deadline: float, done: int) -> None:
         raise DeadlineExpiredError(done)
 
 
-def recv_exact(
-    sock: socket.socket, view: memoryview, deadline: float | None, poller: select.poll | None
-) -> None:
-    """Fill ``view`` completely from ``sock``.
+class StreamReader:
+    """Exact-size reads from a blocking stream socket, through a small staging buffer.
+
+    Header bytes are looked at with `peek` and only then `consume`d, so a wait that runs out
+    while a header is incomplete leaves the stream framed (the partial header stays buffered).
+    Only the caller of `read_into` can leave a message half-read.
 
     Args:
-        sock: a blocking stream socket.
-        view: a writable, flat byte view; empty views return at once.
-        deadline: ``time.monotonic()`` value after which to give up, or None to wait forever.
-        poller: a poll object with ``sock`` registered for POLLIN; needed when ``deadline``
-            is set.
-
-    Raises:
-        DeadlineExpiredError: the deadline ran out (``transferred`` says how much had arrived).
-        LinkClosedError: EOF or a reset from the peer, or the socket was closed locally.
+        sock: a blocking stream socket, read by nobody else.
+        staging_bytes: staging capacity; must hold the largest header.
     """
-    total = view.nbytes
-    received = 0
-    try:
-        while received < total:
-            if deadline is not None:
-                assert poller is not None, "a deadline needs a poller"
-                _wait(poller, deadline, received)
-            n = sock.recv_into(view[received:])
-            if n == 0:
-                raise LinkClosedError(
-                    f"data-plane peer closed the link ({received} of {total} bytes received)"
-                )
-            received += n
-    except OSError as e:  # ECONNRESET, EBADF after a concurrent close
-        raise LinkClosedError(f"data-plane link failed while receiving: {e}") from e
+
+    def __init__(self, sock: socket.socket, staging_bytes: int) -> None:
+        self._sock = sock
+        self._poller = select.poll()  # polled only by the (single) receiving thread
+        self._poller.register(sock, select.POLLIN)
+        self._staging = memoryview(bytearray(staging_bytes))
+        self._start = 0  # buffered bytes are _staging[_start:_end]
+        self._end = 0
+
+    def peek(self, n: int, deadline: float | None) -> memoryview:
+        """The next ``n`` bytes of the stream, buffered but not consumed.
+
+        Raises:
+            DeadlineExpiredError: fewer than ``n`` bytes arrived in time (nothing is lost).
+            LinkClosedError: EOF or a reset from the peer, or the socket was closed locally.
+        """
+        assert n <= len(self._staging), "peek beyond the staging capacity"
+        if self._end - self._start < n:
+            if self._start + n > len(self._staging):  # compact: move the tail to the front
+                size = self._end - self._start
+                self._staging[:size] = self._staging[self._start : self._end]
+                self._start, self._end = 0, size
+            while self._end - self._start < n:
+                # Read whatever has arrived, up to the staging capacity (may include payload).
+                self._end += self._recv_some(self._staging[self._end :], deadline)
+        return self._staging[self._start : self._start + n]
+
+    def consume(self, n: int) -> None:
+        """Drop ``n`` bytes that `peek` returned."""
+        assert n <= self._end - self._start, "consume past the buffered bytes"
+        self._start += n
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def read_into(self, view: memoryview, deadline: float | None) -> None:
+        """Fill ``view`` (flat, writable bytes): buffered bytes first, then from the socket.
+
+        Raises:
+            DeadlineExpiredError: the deadline ran out; ``view`` is partly filled.
+            LinkClosedError: EOF or a reset from the peer, or the socket was closed locally.
+        """
+        take = min(self._end - self._start, len(view))
+        if take:
+            view[:take] = self._staging[self._start : self._start + take]
+            self.consume(take)
+        got = take
+        while got < len(view):
+            got += self._recv_some(view[got:], deadline)
+
+    def _recv_some(self, view: memoryview, deadline: float | None) -> int:
+        """One ``recv_into`` (after a bounded wait when there is a deadline); returns n > 0."""
+        if deadline is not None:
+            _wait(self._poller, deadline, 0)
+        try:
+            n = self._sock.recv_into(view)
+        except OSError as e:  # ECONNRESET, EBADF after a concurrent close
+            raise LinkClosedError(f"data-plane link failed while receiving: {e}") from e
+        if n == 0:
+            raise LinkClosedError("data-plane peer closed the link")
+        return n

@@ -8,7 +8,6 @@ stream is full duplex (the last stage also sends sampled ids back to stage 0 on 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import select
 import socket
@@ -24,37 +23,38 @@ from stage_worker.dataplane.config import (
     TransportKind,
     check_token,
 )
-from stage_worker.dataplane.socket_io import DeadlineExpiredError, recv_exact, send_all
+from stage_worker.dataplane.handshake import (
+    check_token_presented,
+    present_token,
+    tune_socket,
+)
+from stage_worker.dataplane.socket_io import DeadlineExpiredError, StreamReader, send_all
 from stage_worker.dataplane.transport import (
     LinkClosedError,
     LinkListener,
-    LinkRefusedError,
     LinkUnreachableError,
-    ProtocolError,
     StepMismatchError,
     Transport,
     TransportError,
     TransportTimeout,
 )
 from stage_worker.dataplane.wire import (
-    HELLO,
     MAX_TABLE_BYTES,
     PREFIX,
-    VERDICT_BYTES,
-    VERDICT_OK,
-    VERDICT_REFUSED,
     byte_view,
-    decode_hello,
     decode_prefix,
     decode_table,
     encode_header,
-    encode_hello,
     wire_tensor,
 )
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CONFIG = DataPlaneConfig()
+# Receive staging: holds the largest header with room to spare, so one recv usually brings a
+# whole header (and a whole small message, e.g. a decode step's [B, H] activations for small B).
+_STAGING_BYTES = 16 << 10
+assert PREFIX.size + MAX_TABLE_BYTES <= _STAGING_BYTES
 
 
 class TcpTransport(Transport):
@@ -75,13 +75,9 @@ class TcpTransport(Transport):
         self._close_lock = threading.Lock()
         self._closed = False
         # One poll object per direction: a poll object must not be polled by two threads.
-        self._recv_poller = select.poll()
-        self._recv_poller.register(sock, select.POLLIN)
         self._send_poller = select.poll()
         self._send_poller.register(sock, select.POLLOUT)
-        # Reused header buffers: the prefix and the largest possible table.
-        self._prefix_view = memoryview(bytearray(PREFIX.size))
-        self._table_view = memoryview(bytearray(MAX_TABLE_BYTES))
+        self._reader = StreamReader(sock, _STAGING_BYTES)
 
     @classmethod
     def connect(
@@ -122,20 +118,11 @@ class TcpTransport(Transport):
         except OSError as e:
             raise LinkUnreachableError(f"cannot connect to data-plane peer {peer}: {e}") from e
         try:
-            _tune(sock, config)
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            sock.sendall(encode_hello(token))
-            verdict = _recv_small(sock, VERDICT_BYTES)
-        except TimeoutError as e:
+            tune_socket(sock, config)
+            present_token(sock, token, deadline, peer)
+        except BaseException:
             sock.close()
-            raise TransportTimeout(f"handshake with {peer} timed out after {timeout_s}s",
-                                   link_closed=True) from e
-        except (OSError, LinkClosedError) as e:
-            sock.close()
-            raise LinkRefusedError(f"data-plane peer {peer} closed the handshake: {e}") from e
-        if verdict != VERDICT_OK:
-            sock.close()
-            raise LinkRefusedError(f"data-plane peer {peer} refused the link token")
+            raise
         return cls(sock, config=config, peer=peer)
 
     @property
@@ -188,22 +175,23 @@ class TcpTransport(Transport):
         self, deadline: float | None, timeout_s: float | None
     ) -> tuple[int, list[torch.Tensor]]:
         """Read one whole message: prefix, table, then each payload into its tensor."""
-        sock, poller = self._sock, self._recv_poller
+        reader = self._reader
         try:
-            recv_exact(sock, self._prefix_view, deadline, poller)
-        except DeadlineExpiredError as e:
+            # Headers are peeked, not consumed: running out of time here keeps the link framed.
+            prefix = decode_prefix(reader.peek(PREFIX.size, deadline))
+            header_bytes = PREFIX.size + prefix.table_bytes
+            table = reader.peek(header_bytes, deadline)[PREFIX.size :]
+            headers = decode_table(table, prefix.count, self._config.max_message_bytes)
+        except DeadlineExpiredError:
             raise TransportTimeout(
                 f"no data-plane message from {self.peer} within {timeout_s}s",
-                link_closed=e.transferred > 0) from None
+                link_closed=False) from None
+        reader.consume(header_bytes)
+        # Limits are checked: allocate, then receive each payload into its tensor's memory.
+        tensors = [torch.empty(h.shape, dtype=h.dtype) for h in headers]
         try:
-            prefix = decode_prefix(self._prefix_view)
-            table = self._table_view[: prefix.table_bytes]
-            recv_exact(sock, table, deadline, poller)
-            headers = decode_table(table, prefix.count, self._config.max_message_bytes)
-            # Limits are checked: allocate, then receive each payload into its tensor's memory.
-            tensors = [torch.empty(h.shape, dtype=h.dtype) for h in headers]
             for t in tensors:
-                recv_exact(sock, byte_view(t), deadline, poller)
+                reader.read_into(byte_view(t), deadline)
         except DeadlineExpiredError:
             raise TransportTimeout(
                 f"data-plane message from {self.peer} incomplete after {timeout_s}s; "
@@ -248,6 +236,7 @@ class TcpListener(LinkListener):
             raise ValueError("host must be given (listeners never default to a wildcard)")
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._sock = socket.create_server((host, port), family=family, backlog=8)
+        self._port = int(self._sock.getsockname()[1])
         self._token = token
         self._config = config
         self._closed = False
@@ -256,7 +245,7 @@ class TcpListener(LinkListener):
     @property
     def address(self) -> tuple[str, int]:
         """(host, port) actually bound; the port is the real one when 0 was asked."""
-        return self._host, int(self._sock.getsockname()[1])
+        return self._host, self._port
 
     @property
     def spec(self) -> LinkSpec:
@@ -283,67 +272,18 @@ class TcpListener(LinkListener):
                     raise LinkClosedError(f"data-plane listener {self.address} closed") from e
                 raise TransportError(f"accept on {self.address} failed: {e}") from e
             peer = f"{addr[0]}:{addr[1]}"
-            refusal = self._handshake(conn, min(remaining, self._config.handshake_timeout_s))
+            with contextlib.suppress(OSError):  # a peer already gone fails the handshake below
+                tune_socket(conn, self._config)
+            refusal = check_token_presented(
+                conn, self._token, min(remaining, self._config.handshake_timeout_s))
             if refusal is None:
                 return TcpTransport(conn, config=self._config, peer=peer)
             logger.warning("data-plane listener %s:%d refused peer %s: %s",
                            *self.address, peer, refusal)
             conn.close()
 
-    def _handshake(self, conn: socket.socket, timeout_s: float) -> str | None:
-        """Check the peer's hello and token; answer the verdict. Returns why it was refused."""
-        try:
-            _tune(conn, self._config)
-            conn.settimeout(timeout_s)
-            token_len = decode_hello(_recv_small(conn, HELLO.size))
-            token = _recv_small(conn, token_len)
-            if not hmac.compare_digest(token, self._token):
-                _send_quietly(conn, VERDICT_REFUSED)
-                return "wrong link token"
-            conn.sendall(VERDICT_OK)
-            return None
-        except ProtocolError as e:
-            _send_quietly(conn, VERDICT_REFUSED)
-            return str(e)
-        except TimeoutError:
-            return f"no handshake within {timeout_s:.3g}s"
-        except (OSError, LinkClosedError) as e:
-            return f"connection lost during handshake: {e}"
-
     def close(self) -> None:
         self._closed = True
         with contextlib.suppress(OSError):  # wakes an accept() blocked in another thread
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
-
-
-def _tune(sock: socket.socket, config: DataPlaneConfig) -> None:
-    """Latency and liveness options: no Nagle delay on small headers; keepalive on idle links."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if config.tcp_keepalive_idle_s is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", config.tcp_keepalive_idle_s),
-                        ("TCP_KEEPINTVL", config.tcp_keepalive_interval_s),
-                        ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, name):  # Linux; other platforms keep their defaults
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-def _recv_small(sock: socket.socket, n: int) -> bytes:
-    """Read exactly ``n`` handshake bytes under the socket's own timeout."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise LinkClosedError(f"EOF after {got} of {n} handshake bytes")
-        got += k
-    return bytes(buf)
-
-
-def _send_quietly(sock: socket.socket, data: bytes) -> None:
-    """Best-effort verdict to a peer we are about to drop."""
-    with contextlib.suppress(OSError):
-        sock.sendall(data)

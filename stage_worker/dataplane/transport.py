@@ -37,8 +37,9 @@ class TransportTimeout(TransportError):  # noqa: N818 (name fixed by the stage c
     """A bounded wait (recv, accept, connect) ran out.
 
     Attributes:
-        link_closed: True when the wait ran out mid-message, so the byte stream is no longer
-            framed and the transport closed itself; False when the link is still usable.
+        link_closed: True when the wait ran out mid-message (part of a payload received, or
+            part of a message sent), so the byte stream is no longer framed and the transport
+            closed itself; False when the link is still usable and the call may be retried.
     """
 
     def __init__(self, message: str, *, link_closed: bool) -> None:

@@ -287,6 +287,13 @@ def test_accept_times_out_without_a_peer() -> None:
         assert 0.15 < time.monotonic() - start < 3
 
 
+def test_closing_the_listener_wakes_a_blocked_accept() -> None:
+    listener = TcpListener(HOST, token=TOKEN)
+    threading.Timer(0.2, listener.close).start()
+    with pytest.raises(LinkClosedError):
+        call_within(5, lambda: listener.accept(30))
+
+
 def test_connect_to_nothing_is_unreachable() -> None:
     with socket.socket() as probe:
         probe.bind((HOST, 0))
@@ -349,6 +356,20 @@ def test_recv_timeout_mid_message_closes_the_link() -> None:
     with pytest.raises(TransportTimeout) as info:
         receiver.recv(0, timeout_s=0.3)
     assert info.value.link_closed and receiver.closed
+    peer.close()
+
+
+def test_recv_timeout_inside_a_header_keeps_the_link_framed() -> None:
+    peer, receiver = raw_peer()
+    x = torch.arange(6, dtype=torch.int64)
+    message = encode_header(4, [x], 1 << 20) + as_bytes(x)
+    peer.sendall(message[:30])  # the prefix and part of the table
+    with pytest.raises(TransportTimeout) as info:
+        receiver.recv(4, timeout_s=0.2)
+    assert not info.value.link_closed and not receiver.closed
+    peer.sendall(message[30:])
+    assert_bit_exact([x], receiver.recv(4, timeout_s=5))
+    receiver.close()
     peer.close()
 
 
@@ -504,6 +525,43 @@ def bench_throughput(messages: int, nbytes: int = 64 << 20) -> dict[str, float]:
             "ms_per_message": elapsed / messages * 1e3}
 
 
+_RAW_ECHO_SCRIPT = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+n, size = int(sys.argv[2]), int(sys.argv[3])
+v = memoryview(bytearray(size))
+for _ in range(n):
+    got = 0
+    while got < size:
+        got += s.recv_into(v[got:])
+    s.sendall(v)
+"""
+
+
+def bench_raw_round_trip(iters: int, nbytes: int = 147456) -> dict[str, float]:
+    """The floor: the same ping-pong with bare sockets, reused buffers, no header, no tensors."""
+    warmup = 50
+    with socket.create_server((HOST, 0)) as server:
+        proc = subprocess.Popen([sys.executable, "-c", _RAW_ECHO_SCRIPT,
+                                 str(server.getsockname()[1]), str(warmup + iters), str(nbytes)])
+        conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out, back = memoryview(bytearray(nbytes)), memoryview(bytearray(nbytes))
+    rtts = []
+    for _ in range(warmup + iters):
+        start = time.perf_counter()
+        conn.sendall(out)
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(back[got:])
+        rtts.append(time.perf_counter() - start)
+    proc.wait(30)
+    conn.close()
+    rtts = sorted(rtts[warmup:])
+    return {"bytes": nbytes, "p50_us": rtts[len(rtts) // 2] * 1e6}
+
+
 @pytest.mark.slow
 def test_loopback_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     rtt = bench_round_trip(iters=300)
@@ -515,6 +573,8 @@ def test_loopback_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
 if __name__ == "__main__":
     print(f"cpus={os.cpu_count()}")
-    print("round trip, 147 KB bf16 [128, 576]:", bench_round_trip(iters=2000))
-    print("round trip, 1 MB bf16 [128, 4096]:", bench_round_trip(2000, shape=(128, 4096)))
+    for shape in ((128, 576), (128, 4096)):
+        nbytes = shape[0] * shape[1] * 2
+        print(f"round trip bf16 {list(shape)} ({nbytes} B): {bench_round_trip(3000, shape)}; "
+              f"bare sockets: {bench_raw_round_trip(3000, nbytes)}")
     print("throughput, 64 MiB messages:", bench_throughput(messages=32))
