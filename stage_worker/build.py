@@ -33,6 +33,7 @@ def build_executor(cfg: StageConfig, tp: TPGroup) -> tuple[StepExecutor, ModelCo
         shape = ComputeShape(layers, model_cfg.hidden_size, model_cfg.vocab_size, dtype, device)
         return StepExecutor(shape, None), model_cfg
     runner_cfg = StageRunnerConfig(cfg.model_dir, layers, dtype, device, cfg.block_size,
-                                   cfg.num_blocks, cfg.kv_cache_bytes)
+                                   cfg.num_blocks, cfg.kv_cache_bytes,
+                                   cfg.gpu_memory_utilization)
     runner = StageRunner(runner_cfg, model_cfg, tp)
     return StepExecutor.for_runner(runner, model_cfg), model_cfg

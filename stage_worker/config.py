@@ -18,6 +18,7 @@ class StageConfig:
         device: "cpu", "cuda" or "cuda:N" (TP rank r uses cuda:N+r).
         dtype: "auto", "float32", "bfloat16" or "float16".
         block_size / num_blocks / kv_cache_bytes: the KV pool (num_blocks fixes it).
+        gpu_memory_utilization: this stage's share of its GPU (weights, activations, KV).
         fake_compute: skip the model (control-plane benchmark W6): no weights are loaded.
         host / port: the gRPC control listener (port 0 picks one).
         dataplane_host: the address data-plane listeners bind.
@@ -35,6 +36,7 @@ class StageConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     fake_compute: bool = False
     host: str = "127.0.0.1"
     port: int = 0

@@ -143,12 +143,14 @@ class StageRunner:
                  torch.zeros(tokens, self.model_cfg.hidden_size, dtype=self.cfg.dtype))
         self.execute([chunk], dummy)
         torch.cuda.synchronize(self.cfg.device)
-        peak = torch.cuda.max_memory_allocated(self.cfg.device)
+        peak = torch.cuda.max_memory_allocated(self.cfg.device)  # weights + activations
         del self.kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.cfg.device)
-        used_elsewhere = total - free - torch.cuda.memory_allocated(self.cfg.device)
-        budget = int(total * self.cfg.gpu_memory_utilization) - peak - used_elsewhere
+        # This process's share of the card (stages sharing a GPU split it), minus what it
+        # needs besides the pool; never more than is free now (other processes).
+        budget = min(int(total * self.cfg.gpu_memory_utilization) - peak,
+                     free - (1 << 30))
         log.info("profile: peak %.2f GiB over %d tokens; KV budget %.2f GiB",
                  peak / 2**30, tokens, budget / 2**30)
         return shape.blocks_that_fit(budget)

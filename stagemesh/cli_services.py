@@ -54,6 +54,8 @@ def _add_stage(commands: SubParsers) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="fix the KV pool size")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool memory per rank")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="this stage's share of its GPU")
     p.add_argument("--fake-compute", action="store_true",
                    help="skip model compute (control-plane benchmark)")
     p.add_argument("--host", default=_env("STAGEMESH_STAGE_HOST", "127.0.0.1"),
@@ -83,7 +85,8 @@ def _stage(args: argparse.Namespace) -> int:
         device=device, dtype=args.dtype, block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
-        fake_compute=args.fake_compute, host=args.host, port=args.port,
+        gpu_memory_utilization=args.gpu_memory_utilization, fake_compute=args.fake_compute,
+        host=args.host, port=args.port,
         dataplane_host=args.dataplane_host, step_timeout_s=args.step_timeout,
     )
     return run_stage(cfg, args.ready_file)

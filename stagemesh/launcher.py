@@ -74,7 +74,8 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
     model = str(resolve_model(args.model))
     children = []
     stage_addresses = []
-    for i, device in enumerate(_stage_devices(args)):
+    devices = _stage_devices(args)
+    for i, device in enumerate(devices):
         port = _free_port("127.0.0.1")
         stage_addresses.append(f"127.0.0.1:{port}")
         argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--num-stages",
@@ -86,6 +87,9 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
             argv += ["--kv-cache-gb", str(args.kv_cache_gb)]
         if args.fake_compute:
             argv.append("--fake-compute")
+        if device.startswith("cuda"):  # stages sharing a GPU split its memory
+            share = 0.9 / devices.count(device)
+            argv += ["--gpu-memory-utilization", f"{share:.3f}"]
         children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True))
     router = [*py, "router", "--model", model, "--stages", ",".join(stage_addresses),
               "--host", args.host, "--port", str(args.port), "--ready-file",
