@@ -198,7 +198,7 @@ class Engine:
     def _check_timeout(self, step_id: int) -> None:
         sent = self._sent_at.get(step_id)
         if sent is not None and self.pipeline.state is PipelineState.READY:
-            self.pipeline._fail(f"step {step_id} got no result within "
+            self.pipeline.mark_down(f"step {step_id} got no result within "
                                 f"{self.cfg.step_timeout_s:.0f}s")
 
     def _on_result(self, result: pb.StepResult) -> None:

@@ -157,7 +157,7 @@ class Pipeline:
         try:
             await asyncio.gather(*writes)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            self._fail(f"sending step {plan.step_id}: {_describe_error(e)}")
+            self.mark_down(f"sending step {plan.step_id}: {_describe_error(e)}")
 
     async def _read(self, stage: StageClient, epoch: int) -> None:
         assert stage.run_call is not None
@@ -177,9 +177,9 @@ class Pipeline:
             raise
         except (grpc.aio.AioRpcError, PipelineError) as e:
             if epoch == self.epoch and self.state is PipelineState.READY:
-                self._fail(f"stage {stage.index} ({stage.address}): {_describe_error(e)}")
+                self.mark_down(f"stage {stage.index} ({stage.address}): {_describe_error(e)}")
 
-    def _fail(self, reason: str) -> None:
+    def mark_down(self, reason: str) -> None:
         if self.state is PipelineState.DOWN:
             return
         log.error("pipeline down: %s", reason)
