@@ -84,6 +84,7 @@ class Engine:
         self._sent_at: dict[int, float] = {}
         self._down_since: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self.steps = 0
         self.requests_finished = 0
 
@@ -165,11 +166,13 @@ class Engine:
         shape = await self.pipeline.start(budget_s)
         self._scheduler = self._make_scheduler(shape)
         self._task = asyncio.create_task(self._loop(), name="router-step-loop")
+        self._watchdog = asyncio.create_task(self._watch_steps(), name="router-step-watchdog")
         return shape
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._watchdog):
+            if task is not None:
+                task.cancel()
         for request_id in list(self.requests):
             self._fail(self.requests[request_id], FailureKind.UNAVAILABLE, "server stopping")
 
@@ -187,19 +190,20 @@ class Engine:
                 self._sent_at[plan.step_id] = time.monotonic()
                 self.steps += 1
                 await self.pipeline.send(plan_to_proto(plan, self.prompt_lens))
-            if self._sent_at:
-                self._arm_watchdog()
 
-    def _arm_watchdog(self) -> None:
-        oldest = min(self._sent_at)
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.cfg.step_timeout_s, self._check_timeout, oldest)
-
-    def _check_timeout(self, step_id: int) -> None:
-        sent = self._sent_at.get(step_id)
-        if sent is not None and self.pipeline.state is PipelineState.READY:
-            self.pipeline.mark_down(f"step {step_id} got no result within "
-                                f"{self.cfg.step_timeout_s:.0f}s")
+    async def _watch_steps(self) -> None:
+        """A step with no result past `step_timeout_s` marks the pipeline down (a hung
+        stage is detected, never waited on for ever). Steps are answered in order, so
+        only the oldest outstanding one needs watching."""
+        period = min(1.0, self.cfg.step_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if not self._sent_at or self.pipeline.state is not PipelineState.READY:
+                continue
+            oldest = min(self._sent_at)
+            if time.monotonic() - self._sent_at[oldest] > self.cfg.step_timeout_s:
+                self.pipeline.mark_down(f"step {oldest} got no result within "
+                                        f"{self.cfg.step_timeout_s:.0f}s")
 
     def _on_result(self, result: pb.StepResult) -> None:
         self._sent_at.pop(result.step_id, None)
