@@ -30,6 +30,11 @@ class PagedAttentionMetadata:
     query_start_host: tuple[int, ...]
     max_query_len: int
     max_seq_len: int
+    # Mixed batches: the decode sequences (one query row each) go through one batched call.
+    decode_seqs: tuple[int, ...] = ()  # indices of sequences with a single query row
+    decode_rows: torch.Tensor | None = None  # [D] q row of each, on the device
+    decode_index: torch.Tensor | None = None  # [D] decode_seqs as a device tensor
+    prefill_seqs: tuple[int, ...] = ()  # the others, attended one by one
 
     @property
     def num_seqs(self) -> int:
@@ -62,10 +67,16 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Reference paged attention; returns [T, Hq, D] in q's dtype (softmax in fp32 via SDPA)."""
     if meta.is_pure_decode:
-        return _decode_batched(q, k_cache, v_cache, meta, scale)
+        return _decode_batched(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(q)
+    if meta.decode_seqs:
+        assert meta.decode_rows is not None and meta.decode_index is not None
+        idx = meta.decode_index
+        out[meta.decode_rows] = _decode_batched(
+            q[meta.decode_rows], k_cache, v_cache, meta.block_tables[idx], meta.seq_lens[idx],
+            scale)
     block_size = k_cache.shape[1]
-    for s in range(meta.num_seqs):
+    for s in meta.prefill_seqs or range(meta.num_seqs):
         q0, q1 = meta.query_start_host[s], meta.query_start_host[s + 1]
         seq_len = meta.seq_lens_host[s]
         n_blocks = -(-seq_len // block_size)
@@ -102,20 +113,21 @@ def _decode_batched(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: PagedAttentionMetadata,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """All sequences have one query token: one padded SDPA call over [S, M*B] keys."""
-    num_seqs, max_blocks = meta.block_tables.shape
+    """q: [S, Hq, D], one query token per sequence: one padded SDPA call over [S, M*B] keys."""
+    num_seqs, max_blocks = block_tables.shape
     _, block_size, heads, dim = k_cache.shape
-    blocks = meta.block_tables.long().clamp_min(0)  # padding reads block 0, masked below
+    blocks = block_tables.long().clamp_min(0)  # padding reads block 0, masked below
     k = k_cache[blocks].reshape(num_seqs, max_blocks * block_size, heads, dim)
     v = v_cache[blocks].reshape(num_seqs, max_blocks * block_size, heads, dim)
     group = q.shape[1] // heads
     k = k.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)  # [S, Hq, L, D]
     v = v.to(q.dtype).repeat_interleave(group, dim=2).transpose(1, 2)
     key_pos = torch.arange(max_blocks * block_size, device=q.device)
-    mask = key_pos[None, :] < meta.seq_lens.to(q.device)[:, None]  # [S, L]
+    mask = key_pos[None, :] < seq_lens.to(q.device)[:, None]  # [S, L]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale
     )  # [S, Hq, 1, D]

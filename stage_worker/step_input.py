@@ -57,6 +57,10 @@ def build_context(chunks: Sequence[SeqChunk], block_size: int, inv_freq: torch.T
     slots = block_tables[seq_of, positions // block_size].long() * block_size \
         + positions % block_size
     cos, sin = rope_cos_sin(inv_freq, positions)
+    decode_seqs = tuple(i for i, n in enumerate(q_lens) if n == 1)
+    prefill_seqs = tuple(i for i, n in enumerate(q_lens) if n != 1)
+    decode_rows = (torch.tensor([int(query_start[i]) for i in decode_seqs], device=device)
+                   if decode_seqs and prefill_seqs else None)
     attn = PagedAttentionMetadata(
         block_tables=block_tables.to(device),
         seq_lens=seq_lens_t.to(device=device, dtype=torch.int32),
@@ -65,6 +69,11 @@ def build_context(chunks: Sequence[SeqChunk], block_size: int, inv_freq: torch.T
         query_start_host=tuple(int(x) for x in query_start),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
+        decode_seqs=decode_seqs if prefill_seqs else (),
+        decode_rows=decode_rows,
+        decode_index=(torch.tensor(decode_seqs, device=device) if decode_rows is not None
+                      else None),
+        prefill_seqs=prefill_seqs,
     )
     return ForwardContext(positions.to(device), cos.to(device), sin.to(device),
                           slots.to(device), attn)
