@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from transformers import PreTrainedModel
 
+from stage_worker.dataplane import TcpTransport
+from tests.stage_worker.dataplane_helpers import linked_pair
 from tests.stage_worker.tiny_checkpoints import VARIANTS, write_tiny_checkpoint
 
 
@@ -14,3 +17,11 @@ def tiny_checkpoint(request: pytest.FixtureRequest,
     """(checkpoint dir, the HF model that wrote it) for every tiny variant."""
     out = tmp_path_factory.mktemp(request.param)
     return out, write_tiny_checkpoint(request.param, out)
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[TcpTransport, TcpTransport]]:
+    sender, receiver = linked_pair()
+    yield sender, receiver
+    sender.close()
+    receiver.close()

@@ -1,21 +1,14 @@
 """The data plane over real loopback sockets: exact bytes, order, step checks, handshake, limits,
-dead peers and timeouts. Run ``python -m tests.stage_worker.test_dataplane`` for the benchmark."""
+dead peers and timeouts."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -37,127 +30,18 @@ from stage_worker.dataplane import (
     open_link,
     open_listener,
 )
-from stage_worker.dataplane.wire import DTYPE_CODES, encode_header, encode_hello
-
-HOST = "127.0.0.1"
-REPO = Path(__file__).resolve().parents[2]
-TOKEN = new_link_token()
-
-
-def call_within(seconds: float, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on a thread; fail the test if it has not finished in ``seconds`` (no hang)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:
-            box["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"call did not return within {seconds}s"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
-def linked_pair(config: DataPlaneConfig | None = None) -> tuple[TcpTransport, TcpTransport]:
-    """(connector end, accepted end) of one authenticated loopback link."""
-    config = config or DataPlaneConfig()
-    with TcpListener(HOST, token=TOKEN, config=config) as listener:
-        accepted: dict[str, Transport] = {}
-        thread = threading.Thread(target=lambda: accepted.update(t=listener.accept(10)))
-        thread.start()
-        sender = TcpTransport.connect(HOST, listener.address[1], token=TOKEN, timeout_s=10,
-                                      config=config)
-        thread.join(10)
-    receiver = accepted["t"]
-    assert isinstance(receiver, TcpTransport)
-    return sender, receiver
-
-
-@pytest.fixture
-def link() -> Iterator[tuple[TcpTransport, TcpTransport]]:
-    sender, receiver = linked_pair()
-    yield sender, receiver
-    sender.close()
-    receiver.close()
-
-
-def raw_peer(config: DataPlaneConfig | None = None) -> tuple[socket.socket, TcpTransport]:
-    """(a hand-driven connector past the handshake, the accepted end): to send bad bytes."""
-    with TcpListener(HOST, token=TOKEN, config=config or DataPlaneConfig()) as listener:
-        accepted: dict[str, TcpTransport] = {}
-        thread = threading.Thread(target=lambda: accepted.update(t=listener.accept(10)))
-        thread.start()
-        sock = socket.create_connection(listener.address, timeout=5)
-        sock.sendall(encode_hello(TOKEN))
-        assert sock.recv(4) == b"SMOK"
-        thread.join(5)
-    return sock, accepted["t"]
-
-
-# A connecting stage in its own process. Modes: "one" sends one message then sleeps (to be
-# killed); "echo" returns n messages; "source" streams n messages of nbytes, then waits for
-# an ack so it never closes before the reader is done.
-_PEER_SCRIPT = """
-import sys, time, torch
-from stage_worker.dataplane import TcpTransport
-host, port, token, mode, n, nbytes = sys.argv[1:]
-t = TcpTransport.connect(host, int(port), token=bytes.fromhex(token), timeout_s=30)
-if mode == "one":
-    t.send(5, [torch.arange(4, dtype=torch.int32)])
-    time.sleep(60)
-elif mode == "echo":
-    for step in range(int(n)):
-        t.send(step, t.recv(step))
-elif mode == "source":
-    x = torch.ones(int(nbytes), dtype=torch.uint8)
-    for step in range(int(n)):
-        t.send(step, [x])
-    t.recv(int(n))
-"""
-
-
-@contextlib.contextmanager
-def peer_process(listener: TcpListener, mode: str, n: int = 0,
-                 nbytes: int = 0) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a peer process that connects to ``listener``; kill it on exit."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PEER_SCRIPT, HOST, str(listener.address[1]), TOKEN.hex(), mode,
-         str(n), str(nbytes)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    try:
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
-def as_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
-
-
-def assert_bit_exact(sent: list[torch.Tensor], got: list[torch.Tensor]) -> None:
-    assert len(got) == len(sent)
-    for a, b in zip(sent, got, strict=True):
-        assert b.dtype == a.dtype and b.shape == a.shape and b.device.type == "cpu"
-        assert b.is_contiguous()
-        assert as_bytes(b) == as_bytes(a.cpu())
-
-
-def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Arbitrary bit patterns (NaNs, infs, denormals included); bool stays 0/1."""
-    g = torch.Generator().manual_seed(seed)
-    n = torch.Size(shape).numel()
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
-
+from stage_worker.dataplane.wire import DTYPE_CODES, encode_header
+from tests.stage_worker.dataplane_helpers import (
+    HOST,
+    TOKEN,
+    as_bytes,
+    assert_bit_exact,
+    call_within,
+    linked_pair,
+    peer_process,
+    random_bits,
+    raw_peer,
+)
 
 # ---------------------------------------------------------------- payload fidelity
 
@@ -482,99 +366,3 @@ def test_cuda_tensors_travel_over_tcp(link: tuple[TcpTransport, TcpTransport]) -
     x = random_bits((128, 576), torch.bfloat16).cuda()
     sender.send(0, [x, x[:, ::2]])
     assert_bit_exact([x, x[:, ::2]], receiver.recv(0, timeout_s=5))
-
-
-# ---------------------------------------------------------------- benchmark (no timed asserts)
-
-
-def bench_round_trip(iters: int, shape: tuple[int, int] = (128, 576)) -> dict[str, float]:
-    """Ping-pong of one bf16 [T, H] message with an echoing peer process; RTT in microseconds."""
-    x = random_bits(shape, torch.bfloat16)
-    warmup = 50
-    rtts = []
-    with TcpListener(HOST, token=TOKEN) as listener, \
-            peer_process(listener, "echo", n=warmup + iters) as proc:
-        link = listener.accept(60)
-        for step in range(warmup + iters):
-            start = time.perf_counter()
-            link.send(step, [x])
-            link.recv(step, timeout_s=30)
-            rtts.append(time.perf_counter() - start)
-        link.close()
-        proc.wait(30)
-    rtts = sorted(rtts[warmup:])
-    return {"bytes": x.numel() * x.element_size(), "p50_us": rtts[len(rtts) // 2] * 1e6,
-            "p90_us": rtts[len(rtts) * 9 // 10] * 1e6, "mean_us": sum(rtts) / len(rtts) * 1e6}
-
-
-def bench_throughput(messages: int, nbytes: int = 64 << 20) -> dict[str, float]:
-    """A peer process streams ``messages`` + 1 messages of ``nbytes``; the first is warm-up.
-    GB/s of payload from the end of the first recv to the end of the last."""
-    with TcpListener(HOST, token=TOKEN) as listener, \
-            peer_process(listener, "source", n=messages + 1, nbytes=nbytes) as proc:
-        link = listener.accept(60)
-        link.recv(0, timeout_s=60)  # page faults, socket buffer growth
-        start = time.perf_counter()
-        for step in range(1, messages + 1):
-            link.recv(step, timeout_s=60)
-        elapsed = time.perf_counter() - start
-        link.send(messages + 1, [])  # the ack the peer waits for
-        proc.wait(30)
-        link.close()
-    return {"message_mib": nbytes / (1 << 20), "gb_per_s": messages * nbytes / elapsed / 1e9,
-            "ms_per_message": elapsed / messages * 1e3}
-
-
-_RAW_ECHO_SCRIPT = """
-import socket, sys
-s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-n, size = int(sys.argv[2]), int(sys.argv[3])
-v = memoryview(bytearray(size))
-for _ in range(n):
-    got = 0
-    while got < size:
-        got += s.recv_into(v[got:])
-    s.sendall(v)
-"""
-
-
-def bench_raw_round_trip(iters: int, nbytes: int = 147456) -> dict[str, float]:
-    """The floor: the same ping-pong with bare sockets, reused buffers, no header, no tensors."""
-    warmup = 50
-    with socket.create_server((HOST, 0)) as server:
-        proc = subprocess.Popen([sys.executable, "-c", _RAW_ECHO_SCRIPT,
-                                 str(server.getsockname()[1]), str(warmup + iters), str(nbytes)])
-        conn, _ = server.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out, back = memoryview(bytearray(nbytes)), memoryview(bytearray(nbytes))
-    rtts = []
-    for _ in range(warmup + iters):
-        start = time.perf_counter()
-        conn.sendall(out)
-        got = 0
-        while got < nbytes:
-            got += conn.recv_into(back[got:])
-        rtts.append(time.perf_counter() - start)
-    proc.wait(30)
-    conn.close()
-    rtts = sorted(rtts[warmup:])
-    return {"bytes": nbytes, "p50_us": rtts[len(rtts) // 2] * 1e6}
-
-
-@pytest.mark.slow
-def test_loopback_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    rtt = bench_round_trip(iters=300)
-    tput = bench_throughput(messages=4)
-    with capsys.disabled():
-        print(f"\n[dataplane tcp loopback, 2 processes] {rtt} {tput}")
-    assert rtt["p50_us"] > 0 and tput["gb_per_s"] > 0
-
-
-if __name__ == "__main__":
-    print(f"cpus={os.cpu_count()}")
-    for shape in ((128, 576), (128, 4096)):
-        nbytes = shape[0] * shape[1] * 2
-        print(f"round trip bf16 {list(shape)} ({nbytes} B): {bench_round_trip(3000, shape)}; "
-              f"bare sockets: {bench_raw_round_trip(3000, nbytes)}")
-    print("throughput, 64 MiB messages:", bench_throughput(messages=32))
