@@ -1,9 +1,9 @@
 """The stage leader (TP rank 0): runs steps, fans plans out to the other TP ranks, and moves
 activations over the data plane. Synchronous; the gRPC service calls it from a thread.
 
-TP fan-out protocol, per step, over the TP group's control channel: the serialized plan
-(empty bytes = reset all state, b"\\0" = shut down); then, on a non-first stage, the
-step's input activations broadcast from the leader (every rank needs them).
+TP fan-out protocol, per step, over the TP group's control channel: one tagged message,
+PLAN + the serialized plan, RESET (drop all state) or SHUTDOWN; after a plan, on a non-first
+stage, the step's input activations broadcast from the leader (every rank needs them).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from stage_worker.plan import StagePlan, StepOutcome
 
 log = logging.getLogger("stagemesh.stage")
 
-RESET = b""
-SHUTDOWN = b"\0"
+PLAN = b"P"  # followed by the serialized StepPlan (which may itself be empty bytes)
+RESET = b"R"
+SHUTDOWN = b"S"
 
 
 class LinkNotReadyError(RuntimeError):
@@ -111,9 +112,14 @@ class StageLeader:
 
     # --- steps ------------------------------------------------------------------------------
 
-    def run_step(self, plan: StagePlan, plan_bytes: bytes) -> StepOutcome:
-        """Execute one step on every TP rank; send activations on or sample."""
-        self.tp.broadcast_bytes(plan_bytes)
+    def run_step(self, plan: StagePlan, plan_bytes: bytes | None) -> StepOutcome:
+        """Execute one step on every TP rank; send activations on or sample.
+
+        plan_bytes: the serialized plan for the other TP ranks (None when there are none).
+        """
+        if self.tp.size > 1:
+            assert plan_bytes is not None, "a TP group needs the serialized plan"
+            self.tp.broadcast_bytes(PLAN + plan_bytes)
         ex = self.executor
         chunks, ids = ex.prepare(plan)
         self._copy_blocks(plan)

@@ -96,7 +96,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if generation != self._run_generation or self.draining:
                     return
                 plan = plan_from_proto(msg)
-                data = msg.SerializeToString() if self.leader.tp.size > 1 else b"\1"
+                data = msg.SerializeToString() if self.leader.tp.size > 1 else None
                 try:
                     outcome = await self._call(self.leader.run_step, plan, data)
                 except Exception as e:

@@ -19,7 +19,7 @@ from stage_worker.build import build_executor
 from stage_worker.config import StageConfig
 from stage_worker.convert import plan_from_proto
 from stage_worker.executor import StepExecutor
-from stage_worker.leader import RESET, SHUTDOWN
+from stage_worker.leader import PLAN, RESET, SHUTDOWN
 from stage_worker.parallel import TPGroup, init_tp_group
 
 log = logging.getLogger("stagemesh.tp_rank")
@@ -47,7 +47,8 @@ def follow(executor: StepExecutor, tp: TPGroup) -> None:
         if data == RESET:
             executor.state.clear()
             continue
-        plan = plan_from_proto(pb.StepPlan.FromString(data))
+        assert data.startswith(PLAN), f"unknown TP fan-out message {data[:1]!r}"
+        plan = plan_from_proto(pb.StepPlan.FromString(data[len(PLAN):]))
         chunks, ids = executor.prepare(plan)
         if executor.runner is not None and plan.block_copies:
             executor.runner.copy_blocks(plan.block_copies)
