@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
@@ -29,7 +29,7 @@ from router.outputs import (
 )
 from router.pipeline import Pipeline, PipelineShape, PipelineState
 from router.requests import FinishReason, GenerateRequest
-from router.scheduler import ChoiceSpec, Scheduler
+from router.scheduler import ChoiceSpec, NewSeq, Scheduler
 from router.scheduler import FinishReason as SchedFinish
 from router.stage_convert import plan_to_proto, tokens_from_result
 from router.tokenizer import ModelTokenizer
@@ -57,7 +57,7 @@ class RequestState:
     choices: dict[int, ChoiceState]  # seq_id -> choice
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: int = -1  # prefix-cache hits of the first prefill; -1 until known
     done: bool = False
     pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
     pending_tokens: int = 0
@@ -189,6 +189,7 @@ class Engine:
                     break
                 self._sent_at[plan.step_id] = time.monotonic()
                 self.steps += 1
+                self._note_prefix_hits(plan.new_seqs)
                 await self.pipeline.send(plan_to_proto(plan, self.prompt_lens))
 
     async def _watch_steps(self) -> None:
@@ -204,6 +205,14 @@ class Engine:
             if time.monotonic() - self._sent_at[oldest] > self.cfg.step_timeout_s:
                 self.pipeline.mark_down(f"step {oldest} got no result within "
                                         f"{self.cfg.step_timeout_s:.0f}s")
+
+    def _note_prefix_hits(self, new_seqs: Sequence[NewSeq]) -> None:
+        """A request's first prefill starts at its prefix-cache hits (later ones after a
+        preemption, and forks of n > 1, do not count)."""
+        for seq in new_seqs:
+            state = self.seq_owner.get(seq.seq_id)
+            if state is not None and state.cached_prompt_tokens < 0:
+                state.cached_prompt_tokens = seq.num_computed_tokens
 
     def _on_result(self, result: pb.StepResult) -> None:
         self._sent_at.pop(result.step_id, None)
@@ -238,7 +247,8 @@ class Engine:
             state.pending.clear()
             state.pending_tokens = 0
         if done:
-            usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens)
+            usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
+                          max(0, state.cached_prompt_tokens))
             self._close(state, RequestDone(usage))
             self.requests_finished += 1
 

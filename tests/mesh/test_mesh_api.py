@@ -177,3 +177,22 @@ def test_admission_limit_is_resource_exhausted() -> None:
         assert results.count("length") >= 2  # the queue holds 2; more if steps ran between
         assert set(results) <= {"RESOURCE_EXHAUSTED", "length"}
         wait_idle(m.stub())
+
+
+def test_usage_reports_prefix_cache_hits(mesh: Mesh) -> None:
+    """The same prompt twice: the second prefill starts at every full block of the first."""
+    messages = [{"role": "user", "content": "Name a river in Europe, and one in Asia, please."}]
+
+    async def run() -> list[dict[str, int]]:
+        async with RouterClient(mesh.address) as client:
+            usages = []
+            for _ in range(2):
+                out = await client.complete(messages=messages, temperature=0.0, max_tokens=4)
+                assert out.usage is not None
+                usages.append(out.usage)
+            return usages
+
+    first, second = asyncio.run(run())
+    full_blocks = (second["prompt_tokens"] - 1) // 16 * 16  # the last token is always computed
+    assert second["cached_prompt_tokens"] == full_blocks
+    assert first["cached_prompt_tokens"] < full_blocks
