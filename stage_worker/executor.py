@@ -63,9 +63,12 @@ class StepExecutor:
         return self.shape.layers.is_last
 
     def prepare(self, plan: StagePlan) -> tuple[list[SeqChunk], torch.Tensor | None]:
-        """Apply the plan to the state. Returns the chunks and, on the first stage, the input
-        ids [T]. Raises PlanError on a plan that contradicts the state."""
+        """Apply the plan to the state and make its KV block copies (before any KV of the
+        step is written). Returns the chunks and, on the first stage, the input ids [T].
+        Raises PlanError on a plan that contradicts the state."""
         chunks, ids = self.state.apply(plan)
+        if self.runner is not None and plan.block_copies:
+            self.runner.copy_blocks(plan.block_copies)
         if not self.is_first:
             return chunks, None
         if len(ids) != plan.num_tokens:

@@ -40,9 +40,11 @@ class KVPool:
             shape.num_layers, 2, shape.num_blocks, shape.block_size, shape.kv_heads,
             shape.head_dim, dtype=shape.dtype, device=device,
         )
+        # Views made once: the model reads them every step.
+        self._layers = [(self.cache[i, 0], self.cache[i, 1]) for i in range(shape.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache[index, 0], self.cache[index, 1]
+        return self._layers[index]
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self.layer(i) for i in range(self.shape.num_layers)]
+        return self._layers

@@ -122,7 +122,6 @@ class StageLeader:
             self.tp.broadcast_bytes(PLAN + plan_bytes)
         ex = self.executor
         chunks, ids = ex.prepare(plan)
-        self._copy_blocks(plan)
         if ex.is_first:
             assert ids is not None
             inputs = ids
@@ -148,11 +147,6 @@ class StageLeader:
                                     f"within {self.step_timeout_s:.0f}s")
         (hidden,) = self._upstream.recv(step_id, timeout_s=self.step_timeout_s)
         return hidden
-
-    def _copy_blocks(self, plan: StagePlan) -> None:
-        runner = self.executor.runner
-        if runner is not None and plan.block_copies:
-            runner.copy_blocks(plan.block_copies)
 
     def reset(self) -> int:
         """Drop all sequence state on every rank (the Run stream ended)."""

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,18 +22,13 @@ from stage_worker.leader import StageLeader
 from stage_worker.parallel import init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
 from stage_worker.tp_rank import agree_on_num_blocks, config_to_json
+from stagemesh.ports import free_port
 
 log = logging.getLogger("stagemesh.stage")
 
 # Activations never travel over gRPC, but a plan for a long prompt carries its token ids.
 MAX_MESSAGE_BYTES = 64 << 20
 FAKE_COMPUTE_BLOCKS = 1 << 16
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def spawn_tp_ranks(cfg: StageConfig, init_url: str) -> list[subprocess.Popen[bytes]]:
@@ -54,7 +48,7 @@ def health_servicer() -> health.HealthServicer:
 
 
 async def serve_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
-    init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or _free_port('127.0.0.1')}"
+    init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
     ranks = spawn_tp_ranks(cfg, init_url)
     tp = init_tp_group(0, cfg.tp_size, init_url)
     executor, model_cfg = build_executor(cfg, tp)

@@ -50,8 +50,6 @@ def follow(executor: StepExecutor, tp: TPGroup) -> None:
         assert data.startswith(PLAN), f"unknown TP fan-out message {data[:1]!r}"
         plan = plan_from_proto(pb.StepPlan.FromString(data[len(PLAN):]))
         chunks, ids = executor.prepare(plan)
-        if executor.runner is not None and plan.block_copies:
-            executor.runner.copy_blocks(plan.block_copies)
         if not chunks:
             continue
         if executor.is_first:

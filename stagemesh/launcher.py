@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagemesh.modelstore import resolve_model
+from stagemesh.ports import free_port
 
 READY_TIMEOUT_S = 600.0
 
@@ -49,12 +49,6 @@ class Child:
         return False
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _stage_devices(args: argparse.Namespace) -> list[str]:
     """Device per stage: one GPU group per stage when there are enough, else all share."""
     if args.device == "cpu":
@@ -76,7 +70,7 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
     stage_addresses = []
     devices = _stage_devices(args)
     for i, device in enumerate(devices):
-        port = _free_port("127.0.0.1")
+        port = free_port()
         stage_addresses.append(f"127.0.0.1:{port}")
         argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--num-stages",
                 str(args.stages), "--tp", str(args.tp), "--device", device, "--dtype",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,11 @@ from types import TracebackType
 import grpc
 
 from protos.stagemesh.v1 import inference_pb2_grpc
+from stagemesh.ports import free_port
+
+__all__ = ["Mesh", "Proc", "free_port"]
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:
