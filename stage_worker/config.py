@@ -21,7 +21,12 @@ class StageConfig:
         gpu_memory_utilization: this stage's share of its GPU (weights, activations, KV).
         fake_compute: skip the model (control-plane benchmark W6): no weights are loaded.
         host / port: the gRPC control listener (port 0 picks one).
-        dataplane_host: the address data-plane listeners bind.
+        dataplane_host: the address the data-plane listener binds; "" binds the host the
+            router reaches this stage by (the host of its gRPC address).
+        dataplane_port: the data-plane listener's port (0 picks one; a fixed one lets a
+            service mesh or a NetworkPolicy name it).
+        dataplane_advertise: the host the upstream stage dials; "" means the bound host, or
+            the router's name for this stage when the bound host is a wildcard.
         tp_init_port: rendezvous port of the TP group on 127.0.0.1 (0 picks one).
         step_timeout_s: longest wait for a step's activations from upstream.
     """
@@ -40,7 +45,9 @@ class StageConfig:
     fake_compute: bool = False
     host: str = "127.0.0.1"
     port: int = 0
-    dataplane_host: str = "127.0.0.1"
+    dataplane_host: str = ""
+    dataplane_port: int = 0
+    dataplane_advertise: str = ""
     tp_init_port: int = 0
     step_timeout_s: float = 60.0
 
@@ -49,3 +56,5 @@ class StageConfig:
             raise ValueError(f"stage index {self.stage_index} outside 0..{self.num_stages - 1}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.dataplane_port <= 65535:
+            raise ValueError(f"dataplane_port must be in [0, 65535], got {self.dataplane_port}")

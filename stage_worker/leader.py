@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,31 @@ RESET = b"R"
 SHUTDOWN = b"S"
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+
+
+@dataclass(frozen=True)
+class DataPlaneAddress:
+    """Where this stage's data-plane listener binds and what it tells the upstream stage.
+
+    bind_host: "" binds the host the router names in the LISTEN request.
+    port: 0 picks a free port per listener; a fixed port is reused across re-links.
+    advertise_host: "" advertises the bound host, or the router's name for this stage when
+        the bound host is a wildcard.
+    """
+
+    bind_host: str = ""
+    port: int = 0
+    advertise_host: str = ""
+
+    def resolve(self, router_host: str) -> tuple[str, str]:
+        """(host to bind, host to advertise) for a LISTEN request naming `router_host`."""
+        bind = (self.bind_host or router_host).strip("[]")
+        if self.advertise_host:
+            return bind, self.advertise_host
+        return bind, (router_host if bind in WILDCARD_HOSTS else bind)
+
+
 class LinkNotReadyError(RuntimeError):
     """A step arrived before the data-plane link it needs was connected."""
 
@@ -40,10 +66,12 @@ class LinkNotReadyError(RuntimeError):
 class StageLeader:
     """Owns the executor of TP rank 0, the data-plane links and the TP fan-out."""
 
-    def __init__(self, executor: StepExecutor, tp: TPGroup, step_timeout_s: float) -> None:
+    def __init__(self, executor: StepExecutor, tp: TPGroup, step_timeout_s: float,
+                 dataplane: DataPlaneAddress = DataPlaneAddress()) -> None:
         self.executor = executor
         self.tp = tp
         self.step_timeout_s = step_timeout_s
+        self.dataplane = dataplane
         self.epoch = -1
         self._listener: LinkListener | None = None
         self._upstream: Transport | None = None
@@ -53,22 +81,28 @@ class StageLeader:
 
     # --- data-plane links -------------------------------------------------------------------
 
-    def listen_upstream(self, host: str, token: bytes, epoch: int) -> str:
-        """Start listening for the upstream stage; returns "host:port". Accepts in the
-        background; a step waits for the link."""
+    def listen_upstream(self, router_host: str, token: bytes, epoch: int) -> str:
+        """Start listening for the upstream stage; returns the "host:port" it should dial.
+        `router_host` is the host the router reaches this stage by (see `DataPlaneAddress`).
+        Accepts in the background; a step waits for the link."""
         self._new_epoch(epoch)
-        listener = open_listener(LinkSpec(TransportKind.TCP, host, 0, token))
+        bind, advertise = self.dataplane.resolve(router_host)
+        with self._lock:  # a repeated LISTEN in one epoch replaces the listener (same port)
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+        listener = open_listener(LinkSpec(TransportKind.TCP, bind, self.dataplane.port, token))
         self._listener = listener
         self._upstream_ready.clear()
         threading.Thread(target=self._accept, args=(listener, epoch), daemon=True,
                          name="dataplane-accept").start()
-        spec = listener.spec
-        return f"{spec.host}:{spec.port}"
+        host = f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
+        return f"{host}:{listener.spec.port}"
 
     def connect_downstream(self, address: str, token: bytes, epoch: int) -> None:
         self._new_epoch(epoch)
         host, _, port = address.rpartition(":")
-        link = open_link(LinkSpec(TransportKind.TCP, host, int(port), token),
+        link = open_link(LinkSpec(TransportKind.TCP, host.strip("[]"), int(port), token),
                          timeout_s=self.step_timeout_s)
         with self._lock:
             if self._downstream is not None:

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.build import build_executor
 from stage_worker.config import StageConfig
-from stage_worker.leader import StageLeader
+from stage_worker.leader import DataPlaneAddress, StageLeader
 from stage_worker.parallel import init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
 from stage_worker.tp_rank import agree_on_num_blocks, config_to_json
@@ -61,7 +61,8 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
         str(executor.shape.dtype).removeprefix("torch."), cfg.tp_size, num_blocks,
         cfg.block_size, model_cfg.hidden_size, model_cfg.vocab_size, cfg.fake_compute,
     )
-    servicer = StageServicer(StageLeader(executor, tp, cfg.step_timeout_s), identity)
+    servicer = StageServicer(StageLeader(executor, tp, cfg.step_timeout_s, DataPlaneAddress(
+        cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise)), identity)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)

@@ -61,8 +61,16 @@ def _add_stage(commands: SubParsers) -> None:
     p.add_argument("--host", default=_env("STAGEMESH_STAGE_HOST", "127.0.0.1"),
                    help="control listener address [$STAGEMESH_STAGE_HOST]")
     p.add_argument("--port", type=int, default=int(_env("STAGEMESH_STAGE_PORT", "0")))
-    p.add_argument("--dataplane-host", default=_env("STAGEMESH_DATAPLANE_HOST", "127.0.0.1"),
-                   help="address data-plane listeners bind [$STAGEMESH_DATAPLANE_HOST]")
+    p.add_argument("--dataplane-host", default=_env("STAGEMESH_DATAPLANE_HOST", ""),
+                   help="address the data-plane listener binds (default: the host the router "
+                   "reaches this stage by) [$STAGEMESH_DATAPLANE_HOST]")
+    p.add_argument("--dataplane-port", type=int,
+                   default=int(_env("STAGEMESH_DATAPLANE_PORT", "0")),
+                   help="data-plane listener port (0: any free one) [$STAGEMESH_DATAPLANE_PORT]")
+    p.add_argument("--dataplane-advertise", default=_env("STAGEMESH_DATAPLANE_ADVERTISE", ""),
+                   help="host the upstream stage dials (default: the bound host, or the "
+                   "router's name for this stage when bound to a wildcard) "
+                   "[$STAGEMESH_DATAPLANE_ADVERTISE]")
     p.add_argument("--step-timeout", type=float, default=60.0)
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
@@ -87,7 +95,8 @@ def _stage(args: argparse.Namespace) -> int:
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
         gpu_memory_utilization=args.gpu_memory_utilization, fake_compute=args.fake_compute,
         host=args.host, port=args.port,
-        dataplane_host=args.dataplane_host, step_timeout_s=args.step_timeout,
+        dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
+        dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
     )
     return run_stage(cfg, args.ready_file)
 
