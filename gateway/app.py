@@ -9,8 +9,6 @@ before authentication. With API keys configured every route but `OPEN_ROUTES` ne
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,6 +25,7 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.params import Endpoint
 from gateway.served import ModelView, ServedModel
 from router.client import RouterClient
+from stagemesh.api_keys import ApiKeys
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -54,7 +53,7 @@ class GatewayApp:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
         self.metrics = GatewayMetrics()
-        self._key_digests = [hashlib.sha256(k.encode()).digest() for k in sorted(cfg.api_keys)]
+        self._keys = ApiKeys(cfg.api_keys)
         self._running: Running | None = None
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self._health},
@@ -77,7 +76,9 @@ class GatewayApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                client = RouterClient(self.cfg.router)
+                key = self.cfg.router_api_key
+                client = RouterClient(self.cfg.router, metadata=(
+                    [("authorization", f"Bearer {key}")] if key else []))
                 served = ServedModel(client, self.cfg)
                 self._running = Running(client, served,
                                         GenerateHandler(self.cfg, client, served, self.metrics))
@@ -134,19 +135,12 @@ class GatewayApp:
             allowed = ", ".join(self.routes[route])
             raise APIError(405, f"method {ex.method} is not allowed on {route}; use {allowed}",
                            code="method_not_allowed", headers={"Allow": allowed})
-        if self._key_digests and route not in OPEN_ROUTES and not self._authorized(ex):
+        if self._keys and route not in OPEN_ROUTES and not self._keys.authorizes(
+                ex.headers.get("authorization", "")):
             raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer "
                                 "<key>'", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
         await handler(ex)
-
-    def _authorized(self, ex: Exchange) -> bool:
-        scheme, _, token = ex.headers.get("authorization", "").partition(" ")
-        given = hashlib.sha256(token.strip().encode()).digest()
-        ok = False
-        for digest in self._key_digests:  # no early exit: time does not depend on which key
-            ok |= hmac.compare_digest(given, digest)
-        return ok and scheme.lower() == "bearer"
 
     async def _health(self, ex: Exchange) -> None:
         """Liveness of the gateway process itself (the router has its own probes)."""

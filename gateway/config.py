@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ class GatewayConfig:
         router: host:port of the router's public gRPC API.
         host / port: the HTTP listener (port 0 = any free port).
         api_keys: accepted bearer keys; empty = no authentication.
+        router_api_key: the key presented to the router (`authorization` metadata), or None.
         max_body_bytes: largest request body accepted (beyond: 413).
         served_model_name: the name clients use; None = the router's own name. When set,
             requests naming another model get 404 from the gateway itself.
@@ -32,6 +32,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: frozenset[str] = frozenset()
+    router_api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     served_model_name: str | None = None
     tokenizer_dir: Path | None = None
@@ -46,17 +47,3 @@ class GatewayConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if any(not k or k != k.strip() for k in self.api_keys):
             raise ValueError("API keys must be non-empty and carry no surrounding whitespace")
-
-
-def load_api_keys(flags: Iterable[str], env_value: str | None, key_file: Path | None
-                  ) -> frozenset[str]:
-    """Every key from the flags, the comma-separated environment value and the file (one key
-    per line; blank lines and lines starting with '#' are skipped). Empty: auth is off."""
-    keys = {k.strip() for k in flags}
-    if env_value:
-        keys |= {k.strip() for k in env_value.split(",")}
-    if key_file is not None:
-        for line in key_file.read_text("utf-8").splitlines():
-            if line.strip() and not line.lstrip().startswith("#"):
-                keys.add(line.strip())
-    return frozenset(k for k in keys if k)

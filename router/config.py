@@ -25,6 +25,8 @@ class RouterConfig:
         drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish.
         max_request_bytes: largest gRPC request accepted (beyond: RESOURCE_EXHAUSTED).
         stream_interval: tokens per streamed update (1 = every token).
+        api_keys: keys a caller of the public API must present (`authorization: Bearer`
+            metadata); empty = no authentication. Health and reflection stay open.
     """
 
     model_dir: Path
@@ -46,3 +48,4 @@ class RouterConfig:
     drain_timeout_s: float = 30.0
     max_request_bytes: int = 4 << 20
     stream_interval: int = 1
+    api_keys: frozenset[str] = frozenset()

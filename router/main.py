@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvcache import KVCacheConfig
 from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
+from router.auth import ApiKeyInterceptor
 from router.config import RouterConfig
 from router.engine import Engine, EngineConfig
 from router.pipeline import Pipeline, PipelineShape
@@ -22,6 +23,7 @@ from router.requests import RequestLimits
 from router.scheduler import Scheduler, SchedulerConfig
 from router.service import InferenceServicer, ServedModel
 from router.tokenizer import ModelTokenizer
+from stagemesh.api_keys import ApiKeys
 
 log = logging.getLogger("stagemesh.router")
 
@@ -53,7 +55,8 @@ class RouterApp:
         self.servicer = InferenceServicer(self.engine, self.tokenizer, self.limits,
                                           ServedModel(cfg.model_name, "auto", 1))
         self.health = health.HealthServicer()
-        self.server = grpc.aio.server(options=[
+        interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", cfg.max_request_bytes),
             ("grpc.max_send_message_length", 64 << 20)])
 

@@ -9,6 +9,7 @@ and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -136,6 +137,8 @@ def _add_ask(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
     parser.add_argument("--max-tokens", type=_positive_int, default=128)
     parser.add_argument("--temperature", type=_non_negative_float, default=0.0)
+    parser.add_argument("--api-key", default=os.environ.get("STAGEMESH_API_KEY"),
+                        help="key for a router started with API keys [$STAGEMESH_API_KEY]")
     parser.set_defaults(handler=_ask)
 
 
@@ -145,7 +148,8 @@ def _ask(args: argparse.Namespace) -> int:
     from router.client import RouterClient
 
     async def run() -> None:
-        async with RouterClient(args.router) as client:
+        metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+        async with RouterClient(args.router, metadata=metadata) as client:
             async for chunk in client.generate(
                     messages=[{"role": "user", "content": args.message}],
                     max_tokens=args.max_tokens, temperature=args.temperature):
@@ -156,7 +160,13 @@ def _ask(args: argparse.Namespace) -> int:
                 else:
                     print(chunk.text, end="", flush=True)
 
-    asyncio.run(run())
+    import grpc
+
+    try:
+        asyncio.run(run())
+    except grpc.aio.AioRpcError as e:
+        print(f"\nstagemesh ask: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     return 0
 
 

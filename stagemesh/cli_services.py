@@ -101,7 +101,27 @@ def _stage(args: argparse.Namespace) -> int:
     return run_stage(cfg, args.ready_file)
 
 
+def _add_api_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted bearer key (repeatable; also $STAGEMESH_API_KEYS, "
+                        "comma-separated, and --api-key-file); none = no authentication")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file with one API key per line ('#' comments)")
+
+
+def api_keys(args: argparse.Namespace) -> frozenset[str]:
+    """The keys from --api-key, $STAGEMESH_API_KEYS and --api-key-file."""
+    from stagemesh.api_keys import load_api_keys
+
+    try:
+        return load_api_keys(args.api_key, os.environ.get("STAGEMESH_API_KEYS"),
+                             args.api_key_file)
+    except OSError as e:
+        raise SystemExit(f"stagemesh {args.command}: cannot read --api-key-file: {e}") from None
+
+
 def _add_router_args(p: argparse.ArgumentParser) -> None:
+    _add_api_key_args(p)
     p.add_argument("--model-name", default=None,
                    help="name clients use (default: the model directory's name)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -144,6 +164,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> object:
         enable_prefix_caching=not args.no_prefix_caching,
         startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
         step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
+        api_keys=api_keys(args),
     )
 
 
@@ -194,11 +215,10 @@ def _add_gateway(commands: SubParsers) -> None:
                    help="HTTP port, 0 = any free one [$STAGEMESH_GATEWAY_PORT]")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound host:port here once serving")
-    p.add_argument("--api-key", action="append", default=[],
-                   help="accepted bearer key (repeatable; also $STAGEMESH_API_KEYS, "
-                        "comma-separated, and --api-key-file); none = no authentication")
-    p.add_argument("--api-key-file", type=Path, default=None,
-                   help="file with one API key per line ('#' comments)")
+    _add_api_key_args(p)
+    p.add_argument("--router-api-key", default=_env("STAGEMESH_ROUTER_API_KEY", "") or None,
+                   help="key the gateway presents to the router, when the router has keys "
+                        "[$STAGEMESH_ROUTER_API_KEY]")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body (beyond: 413); default 4 MiB, the router's "
                         "gRPC request limit")
@@ -213,14 +233,13 @@ def _add_gateway(commands: SubParsers) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from gateway.config import GatewayConfig, load_api_keys
+    from gateway.config import GatewayConfig
     from gateway.server import run_gateway
 
     try:
-        keys = load_api_keys(args.api_key, os.environ.get("STAGEMESH_API_KEYS"),
-                             args.api_key_file)
         cfg = GatewayConfig(
-            router=args.router, host=args.host, port=args.port, api_keys=keys,
+            router=args.router, host=args.host, port=args.port, api_keys=api_keys(args),
+            router_api_key=args.router_api_key,
             max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
             tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout)
     except (OSError, ValueError) as e:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagemesh.cli_services import api_keys
 from stagemesh.modelstore import resolve_model
 from stagemesh.ports import free_port
 
@@ -100,12 +101,18 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:
         router.append("--no-prefix-caching")
-    children.append(Child("router", router, workdir / "router", restart=False))
+    # API keys travel in the environment, not in argv (which `ps` shows): the router and the
+    # gateway accept the same keys; the gateway presents one of them to the router.
+    keys = sorted(api_keys(args))
+    key_env = {"STAGEMESH_API_KEYS": ",".join(keys)} if keys else {}
+    children.append(Child("router", router, workdir / "router", restart=False, env=key_env))
     if args.gateway_port:
         gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
                    "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway"),
                    "--tokenizer", model]
-        children.append(Child("gateway", gateway, workdir / "gateway", restart=True))
+        gateway_env = {**key_env, "STAGEMESH_ROUTER_API_KEY": keys[0]} if keys else {}
+        children.append(Child("gateway", gateway, workdir / "gateway", restart=True,
+                              env=gateway_env))
     return children
 
 
