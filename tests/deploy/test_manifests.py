@@ -174,3 +174,21 @@ def test_dockerfile_installs_every_package_and_bakes_the_default_model() -> None
     assert {p.rstrip("*") for p in packages} <= copied
     assert "stagemesh fetch-model" in dockerfile
     assert 'ENTRYPOINT ["stagemesh"]' in dockerfile
+
+
+def _secret_refs(container: Container) -> dict[str, tuple[str, str]]:
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.spec.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    return {name: (ref["name"], ref["key"]) for name, ref in refs.items()}
+
+
+def test_router_and_gateway_share_optional_api_keys() -> None:
+    (router,) = role(BASE, "router")
+    (gateway,) = role(BASE, "gateway")
+    router_refs, gateway_refs = _secret_refs(router), _secret_refs(gateway)
+    assert router_refs["STAGEMESH_API_KEYS"] == gateway_refs["STAGEMESH_API_KEYS"]
+    secret = router_refs["STAGEMESH_API_KEYS"][0]
+    assert gateway_refs["STAGEMESH_ROUTER_API_KEY"][0] == secret
+    for c in (router, gateway):
+        assert all(e["valueFrom"]["secretKeyRef"]["optional"] for e in c.spec["env"]
+                   if "secretKeyRef" in e.get("valueFrom", {}))
