@@ -77,8 +77,10 @@ class GatewayApp:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 key = self.cfg.router_api_key
-                client = RouterClient(self.cfg.router, metadata=(
-                    [("authorization", f"Bearer {key}")] if key else []))
+                tls = self.cfg.router_tls
+                client = RouterClient(
+                    self.cfg.router, tls.credentials() if tls else None,
+                    metadata=[("authorization", f"Bearer {key}")] if key else [])
                 served = ServedModel(client, self.cfg)
                 self._running = Running(client, served,
                                         GenerateHandler(self.cfg, client, served, self.metrics))

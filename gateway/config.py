@@ -1,9 +1,11 @@
-"""The gateway process's configuration, composed once at start-up, and API-key loading."""
+"""The gateway process's configuration, composed once at start-up."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from stagemesh.tls import ClientTls
 
 # The router refuses gRPC requests over 4 MiB (`RouterConfig.max_request_bytes`): a larger
 # HTTP body could never be forwarded, so the gateway refuses it with 413 before parsing.
@@ -17,6 +19,7 @@ class GatewayConfig:
         host / port: the HTTP listener (port 0 = any free port).
         api_keys: accepted bearer keys; empty = no authentication.
         router_api_key: the key presented to the router (`authorization` metadata), or None.
+        router_tls: TLS (mutual with a client certificate) to the router; None = plaintext.
         max_body_bytes: largest request body accepted (beyond: 413).
         served_model_name: the name clients use; None = the router's own name. When set,
             requests naming another model get 404 from the gateway itself.
@@ -33,6 +36,7 @@ class GatewayConfig:
     port: int = 8000
     api_keys: frozenset[str] = frozenset()
     router_api_key: str | None = None
+    router_tls: ClientTls | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     served_model_name: str | None = None
     tokenizer_dir: Path | None = None

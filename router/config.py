@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from router.requests import RequestLimits
+from stagemesh.tls import ClientTls, ServerTls
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class RouterConfig:
         stream_interval: tokens per streamed update (1 = every token).
         api_keys: keys a caller of the public API must present (`authorization: Bearer`
             metadata); empty = no authentication. Health and reflection stay open.
+        tls: the public listener's TLS (mutual with a client CA); None = plaintext.
+        stage_tls: how the router reaches the stages' control APIs over TLS; None = plaintext.
     """
 
     model_dir: Path
@@ -49,3 +52,5 @@ class RouterConfig:
     max_request_bytes: int = 4 << 20
     stream_interval: int = 1
     api_keys: frozenset[str] = frozenset()
+    tls: ServerTls | None = None
+    stage_tls: ClientTls | None = None

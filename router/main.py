@@ -46,7 +46,9 @@ class RouterApp:
         self.context, self.vocab = model_context(cfg)
         if cfg.max_model_len:
             self.context = min(self.context, cfg.max_model_len)
-        pipeline = Pipeline(list(cfg.stage_addresses), lambda r: None, lambda r: None)
+        stage_credentials = cfg.stage_tls.credentials() if cfg.stage_tls else None
+        pipeline = Pipeline(list(cfg.stage_addresses), lambda r: None, lambda r: None,
+                            credentials=stage_credentials)
         self.engine = Engine(EngineConfig(cfg.step_timeout_s, cfg.recovery_budget_s,
                                           cfg.stream_interval),
                              self._make_scheduler, pipeline, self.tokenizer)
@@ -84,7 +86,10 @@ class RouterApp:
         names = (inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
                  health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        listen = f"{self.cfg.host}:{self.cfg.port}"
+        tls = self.cfg.tls
+        port = (self.server.add_secure_port(listen, tls.credentials()) if tls is not None
+                else self.server.add_insecure_port(listen))
         await self.server.start()
         address = f"{self.cfg.host}:{port}"
         log.info("router listening on %s; waiting for %d stage(s)", address,

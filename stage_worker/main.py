@@ -23,6 +23,7 @@ from stage_worker.parallel import init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
 from stage_worker.tp_rank import agree_on_num_blocks, config_to_json
 from stagemesh.ports import free_port
+from stagemesh.tls import ServerTls
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -47,7 +48,9 @@ def health_servicer() -> health.HealthServicer:
     return servicer
 
 
-async def serve_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
+async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
+                      tls: ServerTls | None = None) -> int:
+    """`tls`: serve the control API over TLS (mutual with a client CA); None = plaintext."""
     init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
     ranks = spawn_tp_ranks(cfg, init_url)
     tp = init_tp_group(0, cfg.tp_size, init_url)
@@ -71,7 +74,9 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
     reflection.enable_server_reflection(
         (stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name,
          reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    listen = f"{cfg.host}:{cfg.port}"
+    port = (server.add_secure_port(listen, tls.credentials()) if tls is not None
+            else server.add_insecure_port(listen))
     await server.start()
     address = f"{cfg.host}:{port}"
     log.info("stage %d/%d (layers %d-%d, %d KV blocks) serving on %s", cfg.stage_index,
@@ -112,7 +117,8 @@ async def _wait_for_stop(ranks: list[subprocess.Popen[bytes]]) -> int:
     return 0
 
 
-def run_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
+def run_stage(cfg: StageConfig, ready_file: Path | None = None,
+              tls: ServerTls | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"[stage {cfg.stage_index}] %(message)s", stream=sys.stderr)
     try:
@@ -121,4 +127,4 @@ def run_stage(cfg: StageConfig, ready_file: Path | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
-    return asyncio.run(serve_stage(cfg, ready_file))
+    return asyncio.run(serve_stage(cfg, ready_file, tls))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from stagemesh import __version__
-from stagemesh.cli_services import add_service_commands
+from stagemesh.cli_services import add_client_tls_args, add_service_commands, client_tls_of
 from stagemesh.modelstore import ModelError, fetch_default_model, resolve_model
 
 EXIT_MODEL_ERROR = 2  # also argparse's status for bad arguments: "the input was unusable"
@@ -139,6 +139,7 @@ def _add_ask(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument("--temperature", type=_non_negative_float, default=0.0)
     parser.add_argument("--api-key", default=os.environ.get("STAGEMESH_API_KEY"),
                         help="key for a router started with API keys [$STAGEMESH_API_KEY]")
+    add_client_tls_args(parser, "router")
     parser.set_defaults(handler=_ask)
 
 
@@ -149,7 +150,9 @@ def _ask(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
-        async with RouterClient(args.router, metadata=metadata) as client:
+        tls = client_tls_of(args, "router")
+        credentials = tls.credentials() if tls is not None else None
+        async with RouterClient(args.router, credentials, metadata=metadata) as client:
             async for chunk in client.generate(
                     messages=[{"role": "user", "content": args.message}],
                     max_tokens=args.max_tokens, temperature=args.temperature):

@@ -9,7 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
+    from stagemesh.tls import ClientTls, ServerTls
 
 SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -74,6 +78,7 @@ def _add_stage(commands: SubParsers) -> None:
     p.add_argument("--step-timeout", type=float, default=60.0)
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
+    _add_server_tls_args(p)
     p.set_defaults(handler=_stage)
 
 
@@ -98,7 +103,55 @@ def _stage(args: argparse.Namespace) -> int:
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
     )
-    return run_stage(cfg, args.ready_file)
+    return run_stage(cfg, args.ready_file, server_tls_of(args))
+
+
+def _add_server_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", type=Path, default=_env_path("STAGEMESH_TLS_CERT"),
+                   help="PEM certificate (chain) of this listener; with --tls-key it serves "
+                        "TLS only [$STAGEMESH_TLS_CERT]")
+    p.add_argument("--tls-key", type=Path, default=_env_path("STAGEMESH_TLS_KEY"),
+                   help="PEM private key of --tls-cert [$STAGEMESH_TLS_KEY]")
+    p.add_argument("--tls-client-ca", type=Path, default=_env_path("STAGEMESH_TLS_CLIENT_CA"),
+                   help="PEM CA: clients must present a certificate it signed (mutual TLS) "
+                        "[$STAGEMESH_TLS_CLIENT_CA]")
+
+
+def add_client_tls_args(p: argparse.ArgumentParser, peer: str) -> None:
+    """--<peer>-tls-ca/-cert/-key: how this process reaches <peer> over TLS."""
+    env = f"STAGEMESH_{peer.upper()}_TLS"
+    p.add_argument(f"--{peer}-tls-ca", type=Path, default=_env_path(f"{env}_CA"),
+                   help=f"PEM CA that signed the {peer}'s certificate; any --{peer}-tls-* "
+                        f"flag turns TLS on (system roots without this one) [${env}_CA]")
+    p.add_argument(f"--{peer}-tls-cert", type=Path, default=_env_path(f"{env}_CERT"),
+                   help=f"client certificate for mutual TLS with the {peer} [${env}_CERT]")
+    p.add_argument(f"--{peer}-tls-key", type=Path, default=_env_path(f"{env}_KEY"),
+                   help=f"private key of --{peer}-tls-cert [${env}_KEY]")
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def server_tls_of(args: argparse.Namespace) -> ServerTls | None:
+    from stagemesh.tls import TlsConfigError, server_tls
+
+    try:
+        return server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except TlsConfigError as e:
+        raise SystemExit(f"stagemesh {args.command}: {e}") from None
+
+
+def client_tls_of(args: argparse.Namespace, peer: str) -> ClientTls | None:
+    from stagemesh.tls import TlsConfigError, client_tls
+
+    attr = peer.replace("-", "_")
+    try:
+        return client_tls(getattr(args, f"{attr}_tls_ca"), getattr(args, f"{attr}_tls_cert"),
+                          getattr(args, f"{attr}_tls_key"), f"--{peer}-tls")
+    except TlsConfigError as e:
+        raise SystemExit(f"stagemesh {args.command}: {e}") from None
 
 
 def _add_api_key_args(p: argparse.ArgumentParser) -> None:
@@ -146,10 +199,12 @@ def _add_router(commands: SubParsers) -> None:
     p.add_argument("--port", type=int, default=int(_env("STAGEMESH_ROUTER_PORT", "50051")))
     p.add_argument("--ready-file", default=None)
     _add_router_args(p)
+    _add_server_tls_args(p)
+    add_client_tls_args(p, "stage")
     p.set_defaults(handler=_router)
 
 
-def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> object:
+def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterConfig:
     from router.config import RouterConfig
     from stagemesh.modelstore import resolve_model
 
@@ -174,8 +229,11 @@ def _router(args: argparse.Namespace) -> int:
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     if not stages:
         raise SystemExit("stagemesh router: --stages (or $STAGEMESH_STAGES) is required")
-    cfg = router_config(args, stages)
-    return run_router(cfg, args.ready_file)  # type: ignore[arg-type]
+    from dataclasses import replace
+
+    cfg = replace(router_config(args, stages),
+                  tls=server_tls_of(args), stage_tls=client_tls_of(args, "stage"))
+    return run_router(cfg, args.ready_file)
 
 
 def _add_serve(commands: SubParsers) -> None:
@@ -216,6 +274,7 @@ def _add_gateway(commands: SubParsers) -> None:
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound host:port here once serving")
     _add_api_key_args(p)
+    add_client_tls_args(p, "router")
     p.add_argument("--router-api-key", default=_env("STAGEMESH_ROUTER_API_KEY", "") or None,
                    help="key the gateway presents to the router, when the router has keys "
                         "[$STAGEMESH_ROUTER_API_KEY]")
@@ -239,7 +298,7 @@ def _gateway(args: argparse.Namespace) -> int:
     try:
         cfg = GatewayConfig(
             router=args.router, host=args.host, port=args.port, api_keys=api_keys(args),
-            router_api_key=args.router_api_key,
+            router_api_key=args.router_api_key, router_tls=client_tls_of(args, "router"),
             max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
             tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout)
     except (OSError, ValueError) as e:

@@ -1,0 +1,123 @@
+"""Mutual TLS on every gRPC hop, over real processes: a stage that accepts only the router's
+client certificate, a router that serves TLS and accepts only clients its CA signed, and a
+gateway that reaches the router with its own client certificate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from router.client import RouterClient
+from stagemesh.local_mesh import Proc
+from stagemesh.ports import free_port
+from tests.default_model import default_model_dir
+from tests.tls_certs import Pki, write_pki
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass(frozen=True)
+class TlsMesh:
+    pki: Pki
+    router: str
+    gateway: str
+
+
+def _creds(ca: Path, cert: Path | None = None, key: Path | None = None
+           ) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        ca.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None)
+
+
+def _client(mesh: TlsMesh) -> grpc.ChannelCredentials:
+    return _creds(mesh.pki.ca, mesh.pki.client_cert, mesh.pki.client_key)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
+    pki = write_pki(tmp_path_factory.mktemp("pki"))
+    stage_port, router_port, http_port = free_port(), free_port(), free_port()
+    server = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+              "--tls-client-ca", str(pki.ca)]
+    cmd = [sys.executable, "-m", "stagemesh"]
+    model = str(default_model_dir())
+    procs = [
+        Proc([*cmd, "stage", "--model", model, "--device", "cpu", "--num-blocks", "128",
+              "--port", str(stage_port), *server]),
+        Proc([*cmd, "router", "--model", model, "--stages", f"127.0.0.1:{stage_port}",
+              "--port", str(router_port), *server, "--stage-tls-ca", str(pki.ca),
+              "--stage-tls-cert", str(pki.client_cert), "--stage-tls-key", str(pki.client_key)]),
+        Proc([*cmd, "gateway", "--router", f"127.0.0.1:{router_port}", "--port", str(http_port),
+              "--router-tls-ca", str(pki.ca), "--router-tls-cert", str(pki.client_cert),
+              "--router-tls-key", str(pki.client_key)]),
+    ]
+    m = TlsMesh(pki, f"127.0.0.1:{router_port}", f"http://127.0.0.1:{http_port}")
+    try:
+        deadline = time.monotonic() + 180
+        while not _ready(m):
+            dead = [p for p in procs if p.proc.poll() is not None]
+            assert not dead, "a process exited:\n" + "\n".join(p.output[-3000:] for p in dead)
+            assert time.monotonic() < deadline, "never ready:\n" + procs[1].output[-3000:]
+            time.sleep(0.5)
+        yield m
+    finally:
+        for p in reversed(procs):
+            p.stop(timeout=30)
+
+
+def _ready(mesh: TlsMesh) -> bool:
+    async def check() -> bool:
+        async with RouterClient(mesh.router, _client(mesh)) as client:
+            return await client.health("readiness", timeout=2)
+    try:
+        return asyncio.run(check())
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def _ask(address: str, credentials: grpc.ChannelCredentials | None) -> str:
+    async with RouterClient(address, credentials) as client:
+        out = await client.complete(messages=QUESTION, temperature=0.0, max_tokens=16,
+                                    timeout=60)
+        return out.texts[0]
+
+
+def test_a_client_with_a_certificate_is_served_through_a_tls_stage(mesh: TlsMesh) -> None:
+    assert asyncio.run(_ask(mesh.router, _client(mesh))) == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("client", ["plaintext", "no-client-cert", "untrusted-client-cert",
+                                    "wrong-server-ca"])
+def test_other_clients_are_refused(mesh: TlsMesh, client: str) -> None:
+    pki = mesh.pki
+    credentials = {
+        "plaintext": None,
+        "no-client-cert": _creds(pki.ca),
+        "untrusted-client-cert": _creds(pki.ca, pki.rogue_client_cert, pki.rogue_client_key),
+        "wrong-server-ca": _creds(pki.rogue_ca, pki.client_cert, pki.client_key),
+    }[client]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(asyncio.wait_for(_ask(mesh.router, credentials), 30))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_gateway_reaches_the_router_over_mutual_tls(mesh: TlsMesh) -> None:
+    body = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 16,
+            "messages": QUESTION}
+    request = urllib.request.Request(f"{mesh.gateway}/v1/chat/completions",
+                                     json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        reply = json.load(r)
+    assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
