@@ -18,7 +18,7 @@ from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
 from router.auth import ApiKeyInterceptor
 from router.config import RouterConfig
 from router.engine import Engine, EngineConfig
-from router.pipeline import Pipeline, PipelineShape
+from router.pipeline import Pipeline, PipelineError, PipelineShape
 from router.requests import RequestLimits
 from router.scheduler import Scheduler, SchedulerConfig
 from router.service import InferenceServicer, ServedModel
@@ -131,7 +131,11 @@ async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    address = await app.start()
+    try:
+        address = await app.start()
+    except PipelineError:
+        await app.server.stop(grace=None)
+        raise
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             f.write(address)
@@ -152,4 +156,10 @@ def run_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    return asyncio.run(serve_router(cfg, ready_file))
+    try:
+        return asyncio.run(serve_router(cfg, ready_file))
+    except PipelineError as e:
+        log.error("%s. Check that every stage in --stages is running and reachable, in "
+                  "pipeline order, with matching TLS settings; --startup-budget sets the wait.",
+                  e)
+        return 1

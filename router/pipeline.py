@@ -73,7 +73,12 @@ class StageClient:
         self.last_result: pb.StepResult | None = None
 
     async def describe(self, timeout_s: float) -> pb.DescribeResponse:
-        return await self.stub.Describe(pb.DescribeRequest(), timeout=timeout_s)
+        """The stage's identity; an unreachable stage raises PipelineError naming it."""
+        try:
+            return await self.stub.Describe(pb.DescribeRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"stage {self.index} at {self.address}: "
+                                f"{_describe_error(e)}") from e
 
     async def close(self) -> None:
         if self.run_call is not None:

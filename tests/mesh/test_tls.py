@@ -32,6 +32,7 @@ class TlsMesh:
     pki: Pki
     router: str
     gateway: str
+    stage: str
 
 
 def _creds(ca: Path, cert: Path | None = None, key: Path | None = None
@@ -62,7 +63,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
               "--router-tls-ca", str(pki.ca), "--router-tls-cert", str(pki.client_cert),
               "--router-tls-key", str(pki.client_key)]),
     ]
-    m = TlsMesh(pki, f"127.0.0.1:{router_port}", f"http://127.0.0.1:{http_port}")
+    m = TlsMesh(pki, f"127.0.0.1:{router_port}", f"http://127.0.0.1:{http_port}",
+                f"127.0.0.1:{stage_port}")
     try:
         deadline = time.monotonic() + 180
         while not _ready(m):
@@ -121,3 +123,18 @@ def test_the_gateway_reaches_the_router_over_mutual_tls(mesh: TlsMesh) -> None:
     with urllib.request.urlopen(request, timeout=60) as r:
         reply = json.load(r)
     assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
+def test_a_router_without_a_client_certificate_never_links_the_stage(mesh: TlsMesh) -> None:
+    """The stage requires the router's certificate: a router that has none fails its start-up
+    budget with an error naming the stage, and never reports ready."""
+    stage = mesh.stage
+    router = Proc([sys.executable, "-m", "stagemesh", "router", "--model",
+                   str(default_model_dir()), "--stages", stage, "--port", str(free_port()),
+                   "--startup-budget", "6", "--stage-tls-ca", str(mesh.pki.ca)])
+    try:
+        assert router.proc.wait(timeout=60) == 1
+    finally:
+        router.stop(timeout=10)
+    assert f"pipeline did not come up within 6s: stage 0 at {stage}" in router.output
+    assert "Traceback" not in router.output
