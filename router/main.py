@@ -24,6 +24,7 @@ from router.scheduler import Scheduler, SchedulerConfig
 from router.service import InferenceServicer, ServedModel
 from router.tokenizer import ModelTokenizer
 from stagemesh.api_keys import ApiKeys
+from stagemesh.tls import ListenError, add_port
 
 log = logging.getLogger("stagemesh.router")
 
@@ -86,10 +87,7 @@ class RouterApp:
         names = (inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
                  health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        listen = f"{self.cfg.host}:{self.cfg.port}"
-        tls = self.cfg.tls
-        port = (self.server.add_secure_port(listen, tls.credentials()) if tls is not None
-                else self.server.add_insecure_port(listen))
+        port = add_port(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
         await self.server.start()
         address = f"{self.cfg.host}:{port}"
         log.info("router listening on %s; waiting for %d stage(s)", address,
@@ -162,4 +160,7 @@ def run_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
         log.error("%s. Check that every stage in --stages is running and reachable, in "
                   "pipeline order, with matching TLS settings; --startup-budget sets the wait.",
                   e)
+        return 1
+    except ListenError as e:
+        log.error("%s", e)
         return 1

@@ -23,7 +23,7 @@ from stage_worker.parallel import init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
 from stage_worker.tp_rank import agree_on_num_blocks, config_to_json
 from stagemesh.ports import free_port
-from stagemesh.tls import ServerTls
+from stagemesh.tls import ListenError, ServerTls, add_port
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -74,9 +74,11 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
     reflection.enable_server_reflection(
         (stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name,
          reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    listen = f"{cfg.host}:{cfg.port}"
-    port = (server.add_secure_port(listen, tls.credentials()) if tls is not None
-            else server.add_insecure_port(listen))
+    try:
+        port = add_port(server, cfg.host, cfg.port, tls)
+    except ListenError:
+        _stop_ranks(ranks)
+        raise
     await server.start()
     address = f"{cfg.host}:{port}"
     log.info("stage %d/%d (layers %d-%d, %d KV blocks) serving on %s", cfg.stage_index,
@@ -96,6 +98,12 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
         except subprocess.TimeoutExpired:
             p.kill()
     return rc
+
+
+def _stop_ranks(ranks: list[subprocess.Popen[bytes]]) -> None:
+    for p in ranks:
+        p.kill()
+        p.wait()
 
 
 async def _wait_for_stop(ranks: list[subprocess.Popen[bytes]]) -> int:
@@ -127,4 +135,8 @@ def run_stage(cfg: StageConfig, ready_file: Path | None = None,
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
-    return asyncio.run(serve_stage(cfg, ready_file, tls))
+    try:
+        return asyncio.run(serve_stage(cfg, ready_file, tls))
+    except ListenError as e:
+        log.error("%s", e)
+        return 1

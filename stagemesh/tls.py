@@ -87,3 +87,19 @@ def client_tls(ca: Path | None, cert: Path | None, key: Path | None,
     tls = ClientTls(ca, cert, key, flag_prefix)
     tls.credentials()
     return tls
+
+
+class ListenError(RuntimeError):
+    """A gRPC listener could not bind its address."""
+
+
+def add_port(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) -> int:
+    """Bind `host:port` on `server` (TLS when `tls` is given); returns the bound port."""
+    listen = f"{host}:{port}"
+    try:
+        if tls is not None:
+            return int(server.add_secure_port(listen, tls.credentials()))
+        return int(server.add_insecure_port(listen))
+    except RuntimeError as e:
+        raise ListenError(f"cannot listen on {listen}: the port is in use or the address is "
+                          "not one of this machine's; choose another --host/--port") from e

@@ -1,0 +1,35 @@
+"""A service whose port is taken ends with one line naming the address, exit status 1, and
+no process left behind (a stage's TP ranks included)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+from stagemesh.local_mesh import Proc
+from tests.default_model import default_model_dir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("role", ["stage", "router"])
+def test_a_taken_port_is_a_one_line_error(role: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        extra = {"stage": ["--device", "cpu", "--num-blocks", "16", "--tp", "2"],
+                 "router": ["--stages", "127.0.0.1:1"]}[role]
+        proc = Proc([sys.executable, "-m", "stagemesh", role, "--model",
+                     str(default_model_dir()), "--port", str(port), *extra])
+        try:
+            assert proc.proc.wait(timeout=120) == 1
+            with pytest.raises(ProcessLookupError):  # its process group is empty
+                os.killpg(proc.proc.pid, 0)
+        finally:
+            proc.stop(timeout=10)
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in proc.output
+    assert "Traceback" not in proc.output, proc.output
