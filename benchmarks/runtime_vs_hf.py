@@ -10,9 +10,11 @@ same run. Usage (on the GPU machine):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ import torch
 
 from benchmarks.report import git_revision, print_table, write_json
 from benchmarks.shapes import SHAPES
+from kernels import paged_attention
+from kernels.platform import PLATFORM
 from stage_worker.model_config import ModelConfig
 from stage_worker.partition import LayerRange
 from stage_worker.runner import StageRunner, StageRunnerConfig
@@ -148,6 +152,18 @@ def hf_decode_ms(hf: Any, vocab: int, batch: int, ctx: int, steps: int) -> float
     return statistics.median(cuda_time_ms(step, steps))
 
 
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Within: the torch reference attention even where the Triton kernel would run (the
+    same process, weights and inputs, for a side-by-side figure)."""
+    saved = paged_attention.PLATFORM
+    paged_attention.PLATFORM = dataclasses.replace(saved, use_triton=False)
+    try:
+        yield
+    finally:
+        paged_attention.PLATFORM = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -158,7 +174,10 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = {"shape": args.shape, "dtype": "bfloat16", "stages": 1, "tp": 1,
-              "context": args.ctx, "kernels": "torch reference (no Triton, no CUDA graphs)",
+              "context": args.ctx,
+              "kernels": ("Triton paged attention; torch reference for the rest (no CUDA "
+                          "graphs)" if PLATFORM.use_triton else
+                          "torch reference (no Triton, no CUDA graphs)"),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "revision": git_revision()}
     print(config)
@@ -169,16 +188,23 @@ def main() -> None:
     print(f"models built in {time.monotonic() - t0:.0f}s")
     logits = check_logits(hf, runner, cfg.vocab_size)
     print(f"logits vs HF (bf16): {logits}")
+    if PLATFORM.use_triton:
+        with reference_kernels():
+            ref_logits = check_logits(hf, runner, cfg.vocab_size)
+        print(f"logits vs HF with the torch reference attention: {ref_logits}")
+        logits["reference_attention"] = ref_logits  # type: ignore[assignment]
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     rows = []
     for b in batches:
         kv_bytes = b * args.ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
         floor_ms = (weight_bytes + kv_bytes) / (roof["copy_TBps"] * 1e12) * 1e3
         ours = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
+        with reference_kernels():
+            ours_ref = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
         theirs = hf_decode_ms(hf, cfg.vocab_size, b, args.ctx, args.steps)
-        rows.append({"batch": b, "ours_ms": ours, "hf_forward_loop_ms": theirs,
-                     "speedup_vs_hf": theirs / ours, "roofline_ms": floor_ms,
-                     "ours_tok_s": b / ours * 1e3})
+        rows.append({"batch": b, "ours_ms": ours, "ours_reference_attention_ms": ours_ref,
+                     "hf_forward_loop_ms": theirs, "speedup_vs_hf": theirs / ours,
+                     "roofline_ms": floor_ms, "ours_tok_s": b / ours * 1e3})
         torch.cuda.empty_cache()
     write_json(args.out, {**config, "roofline": roof, "logits_vs_hf": logits}, rows)
     print_table(rows)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.platform import PLATFORM
+
 
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
@@ -56,6 +58,24 @@ def write_kv_ref(
     num_blocks, block_size, heads, dim = k_cache.shape
     k_cache.view(num_blocks * block_size, heads, dim)[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(num_blocks * block_size, heads, dim)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The step's attention: the Triton kernel on CUDA when the platform uses Triton and the
+    layout suits it (KV block size a power of two >= 16, head dim >= 16), else the reference."""
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if (q.is_cuda and PLATFORM.use_triton and block_size >= 16
+            and block_size & (block_size - 1) == 0 and head_dim >= 16):
+        from kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
 def paged_attention_ref(

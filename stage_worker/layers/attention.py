@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.paged_attention import paged_attention_ref, write_kv_ref
+from kernels.paged_attention import paged_attention, write_kv_ref
 from kernels.rotary import apply_rope_ref
 from stage_worker.forward_context import ForwardContext
 from stage_worker.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -39,5 +39,5 @@ class PagedSelfAttention(nn.Module):
         k = apply_rope_ref(k, ctx.cos, ctx.sin)
         k_cache, v_cache = kv_cache
         write_kv_ref(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = paged_attention_ref(q, k_cache, v_cache, ctx.attn, self.scale)
+        out = paged_attention(q, k_cache, v_cache, ctx.attn, self.scale)
         return self.o_proj(out.reshape(t, -1))
