@@ -153,15 +153,17 @@ def hf_decode_ms(hf: Any, vocab: int, batch: int, ctx: int, steps: int) -> float
 
 
 @contextlib.contextmanager
-def reference_kernels() -> Iterator[None]:
-    """Within: the torch reference attention even where the Triton kernel would run (the
-    same process, weights and inputs, for a side-by-side figure)."""
-    saved = paged_attention.PLATFORM
-    paged_attention.PLATFORM = dataclasses.replace(saved, use_triton=False)
+def eager(runner: StageRunner, reference_attention: bool = False) -> Iterator[None]:
+    """Within: no CUDA graphs, and optionally the torch reference attention even where the
+    Triton kernel would run (the same process, weights and inputs, side by side)."""
+    saved, graphs = paged_attention.PLATFORM, runner.use_graphs
+    runner.use_graphs = False
+    if reference_attention:
+        paged_attention.PLATFORM = dataclasses.replace(saved, use_triton=False)
     try:
         yield
     finally:
-        paged_attention.PLATFORM = saved
+        paged_attention.PLATFORM, runner.use_graphs = saved, graphs
 
 
 def main() -> None:
@@ -175,8 +177,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     config = {"shape": args.shape, "dtype": "bfloat16", "stages": 1, "tp": 1,
               "context": args.ctx,
-              "kernels": ("Triton paged attention; torch reference for the rest (no CUDA "
-                          "graphs)" if PLATFORM.use_triton else
+              "kernels": ("Triton paged attention, CUDA graphs for decode; torch reference "
+                          "for the rest" if PLATFORM.use_triton else
                           "torch reference (no Triton, no CUDA graphs)"),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "revision": git_revision()}
@@ -189,7 +191,7 @@ def main() -> None:
     logits = check_logits(hf, runner, cfg.vocab_size)
     print(f"logits vs HF (bf16): {logits}")
     if PLATFORM.use_triton:
-        with reference_kernels():
+        with eager(runner, reference_attention=True):
             ref_logits = check_logits(hf, runner, cfg.vocab_size)
         print(f"logits vs HF with the torch reference attention: {ref_logits}")
         logits["reference_attention"] = ref_logits  # type: ignore[assignment]
@@ -199,10 +201,13 @@ def main() -> None:
         kv_bytes = b * args.ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
         floor_ms = (weight_bytes + kv_bytes) / (roof["copy_TBps"] * 1e12) * 1e3
         ours = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
-        with reference_kernels():
+        with eager(runner):
+            ours_eager = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
+        with eager(runner, reference_attention=True):
             ours_ref = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
         theirs = hf_decode_ms(hf, cfg.vocab_size, b, args.ctx, args.steps)
-        rows.append({"batch": b, "ours_ms": ours, "ours_reference_attention_ms": ours_ref,
+        rows.append({"batch": b, "ours_ms": ours, "ours_eager_ms": ours_eager,
+                     "ours_eager_reference_attention_ms": ours_ref,
                      "hf_forward_loop_ms": theirs, "speedup_vs_hf": theirs / ours,
                      "roofline_ms": floor_ms, "ours_tok_s": b / ours * 1e3})
         torch.cuda.empty_cache()

@@ -34,6 +34,7 @@ def build_executor(cfg: StageConfig, tp: TPGroup) -> tuple[StepExecutor, ModelCo
         return StepExecutor(shape, None), model_cfg
     runner_cfg = StageRunnerConfig(cfg.model_dir, layers, dtype, device, cfg.block_size,
                                    cfg.num_blocks, cfg.kv_cache_bytes,
-                                   cfg.gpu_memory_utilization)
+                                   cfg.gpu_memory_utilization,
+                                   cuda_graphs=not cfg.enforce_eager)
     runner = StageRunner(runner_cfg, model_cfg, tp)
     return StepExecutor.for_runner(runner, model_cfg), model_cfg

@@ -29,6 +29,7 @@ class StageConfig:
             the router's name for this stage when the bound host is a wildcard.
         tp_init_port: rendezvous port of the TP group on 127.0.0.1 (0 picks one).
         step_timeout_s: longest wait for a step's activations from upstream.
+        enforce_eager: never replay CUDA graphs for decode steps (debugging, A/B runs).
     """
 
     model_dir: Path
@@ -50,6 +51,7 @@ class StageConfig:
     dataplane_advertise: str = ""
     tp_init_port: int = 0
     step_timeout_s: float = 60.0
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:

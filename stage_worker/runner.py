@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
+from kernels.platform import PLATFORM
 from kernels.rotary import rope_inv_freq
+from stage_worker.cuda_graphs import DecodeGraphs
 from stage_worker.kv_pool import KVPool, KVPoolShape
 from stage_worker.loader import load_stage_weights, load_stage_weights_from_tensors
 from stage_worker.model_config import ModelConfig
@@ -31,6 +33,7 @@ class StageRunnerConfig:
 
     num_blocks fixes the pool size (tests); otherwise the pool takes `kv_cache_bytes`, or on
     CUDA `gpu_memory_utilization` of the card minus weights and the profiled activation peak.
+    cuda_graphs: capture decode steps (see `stage_worker.cuda_graphs`); off = always eager.
     """
 
     model_dir: Path
@@ -42,6 +45,7 @@ class StageRunnerConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs where supported
 
 
 class StageRunner:
@@ -75,18 +79,38 @@ class StageRunner:
         self._pool_shape = KVPoolShape(len(cfg.layers), 0, cfg.block_size, heads.num_kv,
                                        model_cfg.head_dim, cfg.dtype)
         num_blocks = cfg.num_blocks if cfg.num_blocks is not None else self._blocks_that_fit()
+        self._num_blocks = num_blocks
+        graphs = self._graphs_supported()
+        # With graphs, one block more than announced: the padding rows' scratch block.
         self.kv = KVPool(
-            KVPoolShape(len(cfg.layers), num_blocks, cfg.block_size, heads.num_kv,
-                        model_cfg.head_dim, cfg.dtype),
+            KVPoolShape(len(cfg.layers), num_blocks + int(graphs), cfg.block_size,
+                        heads.num_kv, model_cfg.head_dim, cfg.dtype),
             cfg.device,
         )
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    self.model, self.kv.layers(), self.inv_freq, cfg.block_size,
+                    scratch_block=num_blocks,
+                    max_blocks=-(-model_cfg.max_position_embeddings // cfg.block_size),
+                    input_shape=() if self.is_first else (model_cfg.hidden_size,),
+                    dtype=cfg.dtype, device=cfg.device)
+        self.use_graphs = self.graphs is not None
         log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens",
                  cfg.layers.start, cfg.layers.end - 1, time.monotonic() - started,
                  num_blocks, cfg.block_size)
 
     @property
     def num_blocks(self) -> int:
-        return self.kv.shape.num_blocks
+        """KV blocks the scheduler may hand out (the scratch block is not among them)."""
+        return self._num_blocks
+
+    def _graphs_supported(self) -> bool:
+        return (self.cfg.cuda_graphs and self.cfg.device.type == "cuda" and self.tp.size == 1
+                and PLATFORM.use_triton and self.cfg.block_size >= 16
+                and self.cfg.block_size & (self.cfg.block_size - 1) == 0
+                and self.model_cfg.head_dim >= 16)
 
     @property
     def is_first(self) -> bool:
@@ -105,8 +129,11 @@ class StageRunner:
         Returns hidden states [T, H] on a non-last stage; on the last stage, fp32 logits
         [S, V] for the chunks with `sample` set, in chunk order.
         """
-        ctx = build_context(chunks, self.cfg.block_size, self.inv_freq, self.cfg.device)
-        hidden = self.model(inputs.to(self.cfg.device), self.kv.layers(), ctx)
+        if self.graphs is not None and self.use_graphs and self.graphs.covers(chunks):
+            hidden = self.graphs.run(chunks, inputs.to(self.cfg.device))
+        else:
+            ctx = build_context(chunks, self.cfg.block_size, self.inv_freq, self.cfg.device)
+            hidden = self.model(inputs.to(self.cfg.device), self.kv.layers(), ctx)
         if not self.is_last:
             return hidden
         rows = torch.tensor(sample_rows(chunks), dtype=torch.long, device=hidden.device)

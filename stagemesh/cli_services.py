@@ -76,6 +76,8 @@ def _add_stage(commands: SubParsers) -> None:
                    "router's name for this stage when bound to a wildcard) "
                    "[$STAGEMESH_DATAPLANE_ADVERTISE]")
     p.add_argument("--step-timeout", type=float, default=60.0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay CUDA graphs for decode steps")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
     _add_server_tls_args(p)
@@ -102,6 +104,7 @@ def _stage(args: argparse.Namespace) -> int:
         host=args.host, port=args.port,
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
+        enforce_eager=args.enforce_eager,
     )
     return run_stage(cfg, args.ready_file, server_tls_of(args))
 
@@ -251,6 +254,8 @@ def _add_serve(commands: SubParsers) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--fake-compute", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="stages never replay CUDA graphs for decode steps")
     _add_router_args(p)
     p.set_defaults(handler=_serve)
 

@@ -82,6 +82,8 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
             argv += ["--kv-cache-gb", str(args.kv_cache_gb)]
         if args.fake_compute:
             argv.append("--fake-compute")
+        if args.enforce_eager:
+            argv.append("--enforce-eager")
         if device.startswith("cuda"):  # stages sharing a GPU split its memory
             share = 0.9 / devices.count(device)
             argv += ["--gpu-memory-utilization", f"{share:.3f}"]

@@ -32,6 +32,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                           high_freq_factor=4.0, original_max_position_embeddings=64),
     ),
     "qwen2_qkv_bias": dict(tie_word_embeddings=False, rope_theta=1000000.0),
+    # head_dim 32: the shape the Triton attention kernel and the decode graphs take on.
+    "llama_head_dim_32": dict(hidden_size=128, intermediate_size=192, num_attention_heads=4,
+                              num_key_value_heads=2, tie_word_embeddings=False),
 }
 
 

@@ -1,0 +1,128 @@
+"""CUDA graphs of pure-decode steps: one per padded batch size, captured once at start-up.
+
+A decode step launches a few kernels per layer on tiny tensors, so on a fast card its time
+is the CPU launching them. A graph replays the whole stage's launches as one. Everything a
+replay reads lives in static buffers filled before it: input ids (or hidden states), the
+block tables and the sequence lengths; positions, rope tables and KV slots are computed from
+them inside the graph. A batch of n sequences runs in the graph of the smallest bucket
+>= n; the padding rows decode position 0 of a scratch KV block no sequence owns.
+
+Used on CUDA with the Triton attention kernel and TP size 1 (capturing NCCL collectives
+is not wired); prefill and mixed steps, and decode batches above the largest bucket or with
+longer block tables than the buffers hold, run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kernels.paged_attention import PagedAttentionMetadata
+from kernels.rotary import rope_cos_sin
+from stage_worker.forward_context import ForwardContext
+from stage_worker.models.llama import LlamaStageModel
+from stage_worker.step_input import SeqChunk
+
+log = logging.getLogger("stagemesh.runner")
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraphs:
+    """Captured decode steps of one stage.
+
+    Args:
+        model: the stage's layers.
+        kv_layers: the (k, v) cache pair of every local layer (the same tensors replayed).
+        inv_freq: rope inverse frequencies [head_dim / 2].
+        block_size: KV block size.
+        scratch_block: a KV block outside the pool the scheduler hands out.
+        max_blocks: the widest block table the buffers hold (longest context / block size).
+        input_shape: () for token ids (first stage), (hidden,) for hidden states.
+        dtype: hidden-state dtype (non-first stages).
+        max_batch: the largest bucket captured.
+    """
+
+    def __init__(self, model: LlamaStageModel, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                 inv_freq: torch.Tensor, block_size: int, scratch_block: int, max_blocks: int,
+                 input_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 max_batch: int = BUCKETS[-1]) -> None:
+        started = time.monotonic()
+        self.model = model
+        self.kv_layers = kv_layers
+        self.inv_freq = inv_freq.to(device)
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_blocks = max_blocks
+        self.buckets = tuple(b for b in BUCKETS if b <= max_batch)
+        size = self.buckets[-1]
+        self.inputs = (torch.zeros(size, dtype=torch.long, device=device) if not input_shape
+                       else torch.zeros(size, *input_shape, dtype=dtype, device=device))
+        self.block_tables = torch.full((size, max_blocks), scratch_block, dtype=torch.int32,
+                                       device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(size, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
+                for _ in range(2):
+                    self._forward(b)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(device)
+        log.info("captured decode graphs for batch sizes %s in %.1fs",
+                 ",".join(map(str, self.buckets)), time.monotonic() - started)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The captured step over the first `b` rows of the buffers."""
+        seq_lens = self.seq_lens[:b]
+        positions = seq_lens.long() - 1
+        tables = self.block_tables[:b]
+        slots = (tables[self.rows[:b], positions // self.block_size].long() * self.block_size
+                 + positions % self.block_size)
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        attn = PagedAttentionMetadata(
+            block_tables=tables, seq_lens=seq_lens, query_start=self.query_start[:b + 1],
+            seq_lens_host=(1,) * b, query_start_host=tuple(range(b + 1)), max_query_len=1,
+            max_seq_len=self.max_blocks * self.block_size)
+        ctx = ForwardContext(positions, cos, sin, slots, attn)
+        return self.model(self.inputs[:b], self.kv_layers, ctx)
+
+    def covers(self, chunks: Sequence[SeqChunk]) -> bool:
+        """Whether this step can replay a graph: all decodes, within the buffers."""
+        return (len(chunks) <= self.buckets[-1]
+                and all(c.num_new == 1 for c in chunks)
+                and max(len(c.block_table) for c in chunks) <= self.max_blocks)
+
+    def run(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
+        """Replay for `chunks` (see `covers`); returns hidden states [n, H] (a view of the
+        graph's output, valid until the next replay)."""
+        n = len(chunks)
+        b = next(size for size in self.buckets if size >= n)
+        for c in chunks:
+            if len(c.block_table) * self.block_size < c.num_computed + 1:
+                raise ValueError(f"sequence {c.seq_id}: {len(c.block_table)} blocks cannot hold "
+                                 f"{c.num_computed + 1} tokens (block size {self.block_size})")
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor([list(c.block_table) + [self.scratch_block] *
+                               (width - len(c.block_table)) for c in chunks], dtype=torch.int32)
+        lens = torch.tensor([c.num_computed + 1 for c in chunks], dtype=torch.int32)
+        self.block_tables[:n, :width].copy_(tables)
+        self.seq_lens[:n].copy_(lens)
+        self.inputs[:n].copy_(inputs)
+        if n < b:  # padding rows: position 0 of the scratch block
+            self.seq_lens[n:b].fill_(1)
+            self.block_tables[n:b, 0].fill_(self.scratch_block)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
