@@ -78,6 +78,8 @@ class StageRunner:
                             self.tp.rank)
         self._pool_shape = KVPoolShape(len(cfg.layers), 0, cfg.block_size, heads.num_kv,
                                        model_cfg.head_dim, cfg.dtype)
+        self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
+        self.use_graphs = False
         num_blocks = cfg.num_blocks if cfg.num_blocks is not None else self._blocks_that_fit()
         self._num_blocks = num_blocks
         graphs = self._graphs_supported()
@@ -87,7 +89,6 @@ class StageRunner:
                         heads.num_kv, model_cfg.head_dim, cfg.dtype),
             cfg.device,
         )
-        self.graphs: DecodeGraphs | None = None
         if graphs:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(

@@ -74,3 +74,17 @@ def test_decode_graphs_match_eager_steps(dtype: torch.dtype, tmp_path: Path) -> 
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for got, want in zip(logits[0], logits[1], strict=True):
         assert (got - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+def test_profiled_pool_with_graphs(tmp_path: Path) -> None:
+    """The serving configuration: no fixed pool size, so the runner profiles a step first,
+    sizes the pool from what is left, then captures its decode graphs."""
+    write_tiny_checkpoint("llama_head_dim_32", tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    runner = StageRunner(StageRunnerConfig(tmp_path, LayerRange(0, cfg.num_layers, True, True),
+                                           torch.bfloat16, torch.device("cuda"), block_size=16,
+                                           gpu_memory_utilization=0.05), cfg)
+    assert runner.graphs is not None and runner.num_blocks > 0
+    first = runner.execute([SeqChunk(0, 0, 20, [5, 9])], torch.arange(20))
+    out = runner.execute([SeqChunk(0, 20, 1, [5, 9])], first.argmax(-1))
+    assert out.shape == (1, cfg.vocab_size) and torch.isfinite(out).all()
