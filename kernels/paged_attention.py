@@ -60,6 +60,13 @@ def write_kv_ref(
     v_cache.view(num_blocks * block_size, heads, dim)[slot_mapping] = v.to(v_cache.dtype)
 
 
+def uses_triton_kernel(device: torch.device, block_size: int, head_dim: int) -> bool:
+    """Whether `paged_attention` runs the Triton kernel: on CUDA when the platform uses Triton
+    and the layout suits it (KV block size a power of two >= 16, head dim >= 16)."""
+    return (device.type == "cuda" and PLATFORM.use_triton and block_size >= 16
+            and block_size & (block_size - 1) == 0 and head_dim >= 16)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -67,11 +74,8 @@ def paged_attention(
     meta: PagedAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """The step's attention: the Triton kernel on CUDA when the platform uses Triton and the
-    layout suits it (KV block size a power of two >= 16, head dim >= 16), else the reference."""
-    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-    if (q.is_cuda and PLATFORM.use_triton and block_size >= 16
-            and block_size & (block_size - 1) == 0 and head_dim >= 16):
+    """The step's attention: the Triton kernel where `uses_triton_kernel`, else the reference."""
+    if uses_triton_kernel(q.device, k_cache.shape[1], k_cache.shape[3]):
         from kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)

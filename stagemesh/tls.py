@@ -27,43 +27,40 @@ def _read(path: Path, flag: str) -> bytes:
 
 @dataclass(frozen=True)
 class ServerTls:
-    """A listener's certificate and key; with `client_ca`, clients must present a certificate
-    it signed (mutual TLS)."""
+    """A listener's PEM certificate chain and key; with `client_ca`, clients must present a
+    certificate it signed (mutual TLS)."""
 
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
-    flag_prefix: str = "--tls"
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None = None
 
     def credentials(self) -> grpc.ServerCredentials:
-        p = self.flag_prefix
-        pair = (_read(self.key, f"{p}-key"), _read(self.cert, f"{p}-cert"))
-        roots = None if self.client_ca is None else _read(self.client_ca, f"{p}-client-ca")
-        return grpc.ssl_server_credentials([pair], root_certificates=roots,
-                                           require_client_auth=roots is not None)
+        return grpc.ssl_server_credentials([(self.key, self.cert)],
+                                           root_certificates=self.client_ca,
+                                           require_client_auth=self.client_ca is not None)
 
 
 @dataclass(frozen=True)
 class ClientTls:
-    """How a client verifies its server (`ca`; None = the system roots) and, for mutual
-    TLS, the certificate and key it presents."""
+    """How a client verifies its server (PEM `ca`; None = the system roots) and, for mutual
+    TLS, the PEM certificate and key it presents."""
 
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    flag_prefix: str = "--tls"
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
-        p = self.flag_prefix
-        return grpc.ssl_channel_credentials(
-            root_certificates=None if self.ca is None else _read(self.ca, f"{p}-ca"),
-            private_key=None if self.key is None else _read(self.key, f"{p}-key"),
-            certificate_chain=None if self.cert is None else _read(self.cert, f"{p}-cert"))
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def _read_optional(path: Path | None, flag: str) -> bytes | None:
+    return None if path is None else _read(path, flag)
 
 
 def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None,
                flag_prefix: str = "--tls") -> ServerTls | None:
-    """ServerTls from the flags, None when none is given."""
+    """ServerTls from the flags' files (read now, once), None when none is given."""
     p = flag_prefix
     if cert is None and key is None:
         if client_ca is not None:
@@ -71,22 +68,20 @@ def server_tls(cert: Path | None, key: Path | None, client_ca: Path | None,
         return None
     if cert is None or key is None:
         raise TlsConfigError(f"{p}-cert and {p}-key go together")
-    tls = ServerTls(cert, key, client_ca, flag_prefix)
-    tls.credentials()  # read every file now: a bad path fails at start, naming its flag
-    return tls
+    return ServerTls(_read(cert, f"{p}-cert"), _read(key, f"{p}-key"),
+                     _read_optional(client_ca, f"{p}-client-ca"))
 
 
 def client_tls(ca: Path | None, cert: Path | None, key: Path | None,
                flag_prefix: str = "--tls") -> ClientTls | None:
-    """ClientTls from the flags, None when none is given (plaintext)."""
+    """ClientTls from the flags' files (read now, once), None when none is given."""
     p = flag_prefix
     if ca is None and cert is None and key is None:
         return None
     if (cert is None) != (key is None):
         raise TlsConfigError(f"{p}-cert and {p}-key go together")
-    tls = ClientTls(ca, cert, key, flag_prefix)
-    tls.credentials()
-    return tls
+    return ClientTls(_read_optional(ca, f"{p}-ca"), _read_optional(cert, f"{p}-cert"),
+                     _read_optional(key, f"{p}-key"))
 
 
 class ListenError(RuntimeError):

@@ -19,7 +19,7 @@ def test_no_flags_is_plaintext(tmp_path: Path) -> None:
 def test_consistent_flags_build_credentials(tmp_path: Path) -> None:
     pki = write_pki(tmp_path)
     tls = server_tls(pki.server_cert, pki.server_key, pki.ca)
-    assert tls is not None and tls.client_ca == pki.ca
+    assert tls is not None and tls.client_ca == pki.ca.read_bytes()
     assert client_tls(pki.ca, pki.client_cert, pki.client_key) is not None
     assert client_tls(pki.ca, None, None) is not None
 
