@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import git_revision, print_table, write_json
+from foundation.modelstore import resolve_model
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig
 from stage_worker.step_input import SeqChunk
-from stagemesh.modelstore import resolve_model
 
 
 def ours(pipe: LocalPipeline, prompt: list[int], new: int) -> tuple[float, float]:

@@ -22,9 +22,9 @@ import torch
 
 from benchmarks.report import git_revision, print_table, write_json
 from benchmarks.shapes import SHAPES
+from foundation.model_config import ModelConfig
 from kernels import paged_attention
 from kernels.platform import PLATFORM
-from stage_worker.model_config import ModelConfig
 from stage_worker.partition import LayerRange
 from stage_worker.runner import StageRunner, StageRunnerConfig
 from stage_worker.step_input import SeqChunk

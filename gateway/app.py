@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from foundation.api_keys import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_rpc_error
 from gateway.generate import GenerateHandler
@@ -25,7 +26,6 @@ from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.params import Endpoint
 from gateway.served import ModelView, ServedModel
 from router.client import RouterClient
-from stagemesh.api_keys import ApiKeys
 
 log = logging.getLogger("stagemesh.gateway")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagemesh.tls import ClientTls
+from foundation.tls import ClientTls
 
 # The router refuses gRPC requests over 4 MiB (`RouterConfig.max_request_bytes`): a larger
 # HTTP body could never be forwarded, so the gateway refuses it with 413 before parsing.

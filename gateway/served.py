@@ -11,11 +11,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from foundation.modelstore import stagemesh_home
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.tokens import TokenTexts, load_token_texts
 from router.client import RouterClient
-from stagemesh.modelstore import stagemesh_home
 
 MODEL_INFO_TIMEOUT_S = 5.0
 

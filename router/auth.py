@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from stagemesh.api_keys import ApiKeys
+from foundation.api_keys import ApiKeys
 
 PROTECTED_PREFIX = "/stagemesh.v1.InferenceService/"
 MESSAGE = ("missing or incorrect API key: send gRPC metadata 'authorization: Bearer <key>'")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from foundation.tls import ClientTls, ServerTls
 from router.requests import RequestLimits
-from stagemesh.tls import ClientTls, ServerTls
 
 
 @dataclass(frozen=True)

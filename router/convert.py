@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+from foundation.sampling_params import SamplingParams
 from protos.stagemesh.v1 import inference_pb2 as pb
 from router.outputs import ChoiceDelta, Usage
 from router.requests import (
@@ -17,7 +18,6 @@ from router.requests import (
     TokenPrompt,
 )
 from router.validation import ValidationError
-from stagemesh.sampling_params import SamplingParams
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,

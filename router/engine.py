@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from foundation.tokenizer import ModelTokenizer
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.choice import ChoiceState
 from router.outputs import (
@@ -32,7 +33,6 @@ from router.requests import FinishReason, GenerateRequest
 from router.scheduler import ChoiceSpec, NewSeq, Scheduler
 from router.scheduler import FinishReason as SchedFinish
 from router.stage_convert import plan_to_proto, tokens_from_result
-from router.tokenizer import ModelTokenizer
 
 log = logging.getLogger("stagemesh.router")
 

@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from foundation.tokenizer import ChatTemplateError
 from router.scheduler import AdmissionRefusedError, InvalidRequestError
-from router.tokenizer import ChatTemplateError
 from router.validation import ValidationError
 
 log = logging.getLogger("stagemesh.router")

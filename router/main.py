@@ -13,6 +13,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from foundation.api_keys import ApiKeys
+from foundation.tls import ListenError, add_port
+from foundation.tokenizer import ModelTokenizer
 from kvcache import KVCacheConfig
 from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
 from router.auth import ApiKeyInterceptor
@@ -22,9 +25,6 @@ from router.pipeline import Pipeline, PipelineError, PipelineShape
 from router.requests import RequestLimits
 from router.scheduler import Scheduler, SchedulerConfig
 from router.service import InferenceServicer, ServedModel
-from router.tokenizer import ModelTokenizer
-from stagemesh.api_keys import ApiKeys
-from stagemesh.tls import ListenError, add_port
 
 log = logging.getLogger("stagemesh.router")
 

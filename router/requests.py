@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from stagemesh.sampling_params import SamplingParams
+from foundation.sampling_params import SamplingParams
 
 DEFAULT_ROLES = ("system", "user", "assistant")
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from foundation.tokenizer import ModelTokenizer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from router.convert import delta_to_proto, generate_from_proto, prompt_from_proto, usage_to_proto
@@ -16,7 +17,6 @@ from router.errors import ModelNotFoundError, UnavailableError, stream_errors, u
 from router.outputs import ChoiceDelta, RequestDone, RequestFailed
 from router.pipeline import PipelineState
 from router.requests import RequestLimits
-from router.tokenizer import ModelTokenizer
 from router.validation import validate_prompt, validate_request
 
 

@@ -7,10 +7,10 @@ counts are what every stage needs.
 
 from __future__ import annotations
 
+from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
 from router.scheduler import StepPlan
-from stagemesh.sampling_params import SamplingParams
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:

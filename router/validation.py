@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NoReturn, Protocol
 
+from foundation.sampling_params import SamplingParams, SamplingParamsError
+from foundation.tokenizer import ChatTemplateError
 from router.requests import (
     ChatMessage,
     GenerateRequest,
@@ -28,8 +30,6 @@ from router.requests import (
     TextPrompt,
     TokenPrompt,
 )
-from router.tokenizer import ChatTemplateError
-from stagemesh.sampling_params import SamplingParams, SamplingParamsError
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -45,7 +45,7 @@ class ValidationError(ValueError):
 
 
 class PromptEncoder(Protocol):
-    """What validation needs of a tokenizer (`router.tokenizer.ModelTokenizer` is one)."""
+    """What validation needs of a tokenizer (`foundation.tokenizer.ModelTokenizer` is one)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from foundation.model_config import ModelConfig
 from stage_worker.config import StageConfig
 from stage_worker.executor import ComputeShape, StepExecutor
-from stage_worker.model_config import ModelConfig
 from stage_worker.offline import resolve_dtype
 from stage_worker.parallel import TPGroup
 from stage_worker.partition import partition_layers

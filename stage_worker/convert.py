@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from stage_worker.plan import CachedSeq, NewSeq, StagePlan, StepOutcome
-from stagemesh.sampling_params import SamplingParams
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from stage_worker.model_config import ModelConfig
+from foundation.model_config import ModelConfig
+from foundation.sampling_params import SamplingParams
 from stage_worker.partition import LayerRange
 from stage_worker.plan import SampledToken, StagePlan
 from stage_worker.runner import StageRunner
 from stage_worker.sampling import Sampler, SamplerOutput, SamplingBatch
 from stage_worker.seq_state import PlanError, StageState
 from stage_worker.step_input import SeqChunk
-from stagemesh.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

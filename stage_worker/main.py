@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from foundation.ports import free_port
+from foundation.tls import ListenError, ServerTls, add_port
 from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.build import build_executor
 from stage_worker.config import StageConfig
@@ -22,8 +24,6 @@ from stage_worker.leader import DataPlaneAddress, StageLeader
 from stage_worker.parallel import init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
 from stage_worker.tp_rank import agree_on_num_blocks, config_to_json
-from stagemesh.ports import free_port
-from stagemesh.tls import ListenError, ServerTls, add_port
 
 log = logging.getLogger("stagemesh.stage")
 

@@ -6,20 +6,19 @@ benchmarks). Serving goes through the router and stage services instead.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from stage_worker.model_config import ModelConfig
+from foundation.model_config import ModelConfig
+from foundation.sampling_params import SamplingParams
 from stage_worker.parallel import TPGroup
 from stage_worker.partition import partition_layers
 from stage_worker.runner import StageRunner, StageRunnerConfig
 from stage_worker.sampling import Sampler, SamplingBatch
 from stage_worker.step_input import SeqChunk
-from stagemesh.sampling_params import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,11 +116,4 @@ def greedy_generate(pipe: LocalPipeline, prompts: Sequence[Sequence[int]],
     """`generate` with temperature 0 for every prompt."""
     greedy = [SamplingParams(temperature=0.0)] * len(prompts)
     return generate(pipe, prompts, greedy, max_new_tokens, stop_ids)
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    """`stagemesh generate`: answer prompts on the model, one process, greedy or sampled."""
-    from stage_worker.offline_cli import generate_command
-
-    return generate_command(args)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagemesh.sampling_params import SamplingParams
+from foundation.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
+from foundation.model_config import ModelConfig
 from kernels.paged_attention import uses_triton_kernel
 from kernels.rotary import rope_inv_freq
 from stage_worker.cuda_graphs import DecodeGraphs
 from stage_worker.kv_pool import KVPool, KVPoolShape
 from stage_worker.loader import load_stage_weights, load_stage_weights_from_tensors
-from stage_worker.model_config import ModelConfig
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.parallel import TPGroup, shard_heads
 from stage_worker.partition import LayerRange

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagemesh.sampling_params import SamplingParams
+from foundation.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from foundation.sampling_params import SamplingParams
 from stage_worker.plan import StagePlan
 from stage_worker.step_input import SeqChunk
-from stagemesh.sampling_params import SamplingParams
 
 
 class PlanError(ValueError):

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+from foundation.modelstore import ModelError, fetch_default_model, resolve_model
 from stagemesh import __version__
 from stagemesh.cli_services import add_client_tls_args, add_service_commands, client_tls_of
-from stagemesh.modelstore import ModelError, fetch_default_model, resolve_model
 
 EXIT_MODEL_ERROR = 2  # also argparse's status for bad arguments: "the input was unusable"
 EXIT_INTERRUPTED = 130
@@ -121,10 +121,9 @@ def _add_generate(commands: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from stage_worker.offline import run_generate  # deferred: pulls in torch
+    from stagemesh.generate import generate_command  # deferred: pulls in torch
 
-    status: int = run_generate(args)
-    return status
+    return generate_command(args)
 
 
 # --- ask ------------------------------------------------------------------------------------

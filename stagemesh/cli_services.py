@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
+    from foundation.tls import ClientTls, ServerTls
     from router.config import RouterConfig
-    from stagemesh.tls import ClientTls, ServerTls
 
 SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -87,9 +87,9 @@ def _add_stage(commands: SubParsers) -> None:
 def _stage(args: argparse.Namespace) -> int:
     import torch
 
+    from foundation.modelstore import resolve_model
     from stage_worker.config import StageConfig
     from stage_worker.main import run_stage
-    from stagemesh.modelstore import resolve_model
 
     device = args.device
     if device == "auto":
@@ -138,7 +138,7 @@ def _env_path(name: str) -> Path | None:
 
 
 def server_tls_of(args: argparse.Namespace) -> ServerTls | None:
-    from stagemesh.tls import TlsConfigError, server_tls
+    from foundation.tls import TlsConfigError, server_tls
 
     try:
         return server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
@@ -147,7 +147,7 @@ def server_tls_of(args: argparse.Namespace) -> ServerTls | None:
 
 
 def client_tls_of(args: argparse.Namespace, peer: str) -> ClientTls | None:
-    from stagemesh.tls import TlsConfigError, client_tls
+    from foundation.tls import TlsConfigError, client_tls
 
     attr = peer.replace("-", "_")
     try:
@@ -167,7 +167,7 @@ def _add_api_key_args(p: argparse.ArgumentParser) -> None:
 
 def api_keys(args: argparse.Namespace) -> frozenset[str]:
     """The keys from --api-key, $STAGEMESH_API_KEYS and --api-key-file."""
-    from stagemesh.api_keys import load_api_keys
+    from foundation.api_keys import load_api_keys
 
     try:
         return load_api_keys(args.api_key, os.environ.get("STAGEMESH_API_KEYS"),
@@ -208,8 +208,8 @@ def _add_router(commands: SubParsers) -> None:
 
 
 def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterConfig:
+    from foundation.modelstore import resolve_model
     from router.config import RouterConfig
-    from stagemesh.modelstore import resolve_model
 
     model_dir = resolve_model(args.model)
     name = args.model_name or model_dir.name

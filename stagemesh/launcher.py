@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from foundation.modelstore import resolve_model
+from foundation.ports import free_port
 from stagemesh.cli_services import api_keys
-from stagemesh.modelstore import resolve_model
-from stagemesh.ports import free_port
 
 READY_TIMEOUT_S = 600.0
 

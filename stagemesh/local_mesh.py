@@ -15,8 +15,8 @@ from types import TracebackType
 
 import grpc
 
+from foundation.ports import free_port
 from protos.stagemesh.v1 import inference_pb2_grpc
-from stagemesh.ports import free_port
 
 __all__ = ["Mesh", "Proc", "free_port"]
 

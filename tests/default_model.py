@@ -9,7 +9,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from stagemesh.modelstore import resolve_model
+from foundation.modelstore import resolve_model
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foundation.model_config import ModelConfig
 from kernels.activation import silu_and_mul_ref
 from stage_worker.forward_context import ForwardContext
 from stage_worker.layers.attention import PagedSelfAttention
 from stage_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from stage_worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from stage_worker.layers.norm import RMSNorm
-from stage_worker.model_config import ModelConfig
 from stage_worker.parallel import TPGroup
 from stage_worker.partition import LayerRange
 

@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
+from foundation.ports import free_port
 from stagemesh.local_mesh import Proc
-from stagemesh.ports import free_port
 from tests.deploy.manifests import DEPLOY, Container, load_kustomization, role
 
 pytestmark = pytest.mark.slow

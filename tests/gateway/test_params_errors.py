@@ -9,6 +9,7 @@ import grpc
 import pytest
 from grpc.aio import AioRpcError, Metadata
 
+from foundation.api_keys import load_api_keys
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_rpc_error
 from gateway.params import (
@@ -17,7 +18,6 @@ from gateway.params import (
     parse_chat,
     parse_completions,
 )
-from stagemesh.api_keys import load_api_keys
 
 
 def _rpc(code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()

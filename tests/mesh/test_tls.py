@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from foundation.ports import free_port
 from router.client import RouterClient
 from stagemesh.local_mesh import Proc
-from stagemesh.ports import free_port
 from tests.default_model import default_model_dir
 from tests.tls_certs import Pki, write_pki
 

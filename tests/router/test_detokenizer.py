@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
+from foundation.tokenizer import ModelTokenizer
 from router.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
-from router.tokenizer import ModelTokenizer
 from tests.default_model import default_model_dir
 
 FFFD = "\ufffd"

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from foundation.tokenizer import ModelTokenizer
 from router.detokenizer import IncrementalDetokenizer
 from router.stop import StopChecker
-from router.tokenizer import ModelTokenizer
 from tests.default_model import default_model_dir
 
 

@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from foundation.sampling_params import SamplingParams
+from foundation.tokenizer import ModelTokenizer
 from router.requests import (
     ChatMessage,
     ChatPrompt,
@@ -23,9 +25,7 @@ from router.requests import (
     TextPrompt,
     TokenPrompt,
 )
-from router.tokenizer import ModelTokenizer
 from router.validation import ValidationError, validate_request
-from stagemesh.sampling_params import SamplingParams
 from tests.default_model import default_model_dir
 
 LIMITS = RequestLimits(max_model_len=8192, vocab_size=49152, max_tokens_cap=4096, max_n=8,

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
+from foundation.sampling_params import SamplingParams
 from stage_worker.sampling import (
     SamplingBatch,
 )
-from stagemesh.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- references (may loop)
 

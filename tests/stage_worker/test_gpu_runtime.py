@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stage_worker.model_config import ModelConfig
+from foundation.model_config import ModelConfig
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig
 from stage_worker.partition import LayerRange
 from stage_worker.runner import StageRunner, StageRunnerConfig

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from foundation.ports import free_port
 from stage_worker.build import build_executor
 from stage_worker.config import StageConfig
 from stage_worker.leader import DataPlaneAddress, StageLeader
 from stage_worker.parallel import TPGroup
-from stagemesh.ports import free_port
 from tests.default_model import default_model_dir
 
 TOKEN_A, TOKEN_B = b"a" * 32, b"b" * 32

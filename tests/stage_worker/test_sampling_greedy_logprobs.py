@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foundation.sampling_params import SamplingParams
 from stage_worker.sampling import Sampler, SamplingBatch
-from stagemesh.sampling_params import SamplingParams
 from tests.stage_worker.sampling_refs import build, random_logits
 
 # ---------------------------------------------------------------- greedy

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foundation.sampling_params import SamplingParams
 from stage_worker.sampling import apply_penalties, apply_top_k_top_p_min_p
-from stagemesh.sampling_params import SamplingParams
 from tests.stage_worker.sampling_refs import (
     build,
     random_logits,

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from foundation.sampling_params import SamplingParams
 from stage_worker.sampling import (
     Sampler,
     noise_seed,
 )
-from stagemesh.sampling_params import SamplingParams
 from tests.stage_worker.sampling_refs import (
     build,
     random_logits,

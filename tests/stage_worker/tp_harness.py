@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stagemesh.ports import free_port
+from foundation.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

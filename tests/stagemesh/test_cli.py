@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from foundation.modelstore import DEFAULT_MODEL, ModelError
+from foundation.modelstore.store import marker_identity
 from stagemesh.cli import build_parser, main
-from stagemesh.modelstore import DEFAULT_MODEL, ModelError
-from stagemesh.modelstore.store import marker_identity
-from tests.stagemesh.conftest import truncate, write_tiny_model
+from tests.model_dirs import truncate, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -103,13 +103,13 @@ def test_bad_arguments_exit_2(bad: list[str], capsys: pytest.CaptureFixture[str]
 
 
 def fake_offline(monkeypatch: pytest.MonkeyPatch, run: Callable[[argparse.Namespace], int]) -> None:
-    """Stands in for the lead's stage_worker.offline module."""
-    module = types.ModuleType("stage_worker.offline")
-    module.run_generate = run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "stage_worker.offline", module)
+    """Stands in for the `stagemesh.generate` module (which loads torch and the model)."""
+    module = types.ModuleType("stagemesh.generate")
+    module.generate_command = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "stagemesh.generate", module)
 
 
-def test_generate_dispatches_to_stage_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_dispatches_to_the_generate_command(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[argparse.Namespace] = []
 
     def run_generate(args: argparse.Namespace) -> int:

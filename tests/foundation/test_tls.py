@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.tls import TlsConfigError, client_tls, server_tls
+from foundation.tls import TlsConfigError, client_tls, server_tls
 from tests.tls_certs import write_pki
 
 

@@ -4,15 +4,15 @@ Importing this package pulls in neither torch nor transformers; only the one-tim
 (`fetch_default_model` on a fresh home) does.
 """
 
-from stagemesh.modelstore.errors import ModelError
-from stagemesh.modelstore.layout import (
+from foundation.modelstore.errors import ModelError
+from foundation.modelstore.layout import (
     ModelFiles,
     check_model_dir,
     check_weights,
     read_config,
     weight_files,
 )
-from stagemesh.modelstore.store import (
+from foundation.modelstore.store import (
     DEFAULT_MODEL,
     fetch_default_model,
     resolve_model,

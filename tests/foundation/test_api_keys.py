@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stagemesh.api_keys import ApiKeys
+from foundation.api_keys import ApiKeys
 
 
 def test_bearer_with_any_configured_key_passes() -> None:

@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from stagemesh.modelstore import check_weights, fetch_default_model, read_config, resolve_model
+from foundation.modelstore import check_weights, fetch_default_model, read_config, resolve_model
 
 pytestmark = pytest.mark.slow  # model-sized; still part of the normal suite
 

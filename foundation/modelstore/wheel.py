@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagemesh.modelstore.errors import ModelError
-from stagemesh.modelstore.progress import ByteProgress, megabytes, say
+from foundation.modelstore.errors import ModelError
+from foundation.modelstore.progress import ByteProgress, megabytes, say
 
 _CHUNK = 4 << 20  # bytes per read while hashing and extracting
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from router.tokenizer import ChatTemplateError, ModelTokenizer
+from foundation.tokenizer import ChatTemplateError, ModelTokenizer
 from tests.default_model import QUESTIONS, default_model_dir
 
 CONVERSATIONS = [

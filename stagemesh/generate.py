@@ -1,4 +1,5 @@
-"""`stagemesh generate`: answer prompts on a model in this process, with timings."""
+"""`stagemesh generate`: answer prompts on a model in this process (no services), with
+timings. Drives `stage_worker.offline` directly."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import logging
 import sys
 import time
 
-from router.tokenizer import ModelTokenizer
+from foundation.modelstore import resolve_model
+from foundation.sampling_params import SamplingParams, SamplingParamsError
+from foundation.tokenizer import ModelTokenizer
 from stage_worker.offline import (
     LocalPipeline,
     LocalPipelineConfig,
@@ -15,8 +18,6 @@ from stage_worker.offline import (
     resolve_device,
     resolve_dtype,
 )
-from stagemesh.modelstore import resolve_model
-from stagemesh.sampling_params import SamplingParams, SamplingParamsError
 
 
 def generate_command(args: argparse.Namespace) -> int:

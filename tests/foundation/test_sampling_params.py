@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from stagemesh.sampling_params import SamplingParams, SamplingParamsError
+from foundation.sampling_params import SamplingParams, SamplingParamsError
 
 # ---------------------------------------------------------------- validation
 
@@ -57,5 +57,5 @@ def test_is_greedy() -> None:
 
 
 def test_sampling_params_import_no_torch() -> None:
-    code = "import sys, stagemesh.sampling_params; assert 'torch' not in sys.modules"
+    code = "import sys, foundation.sampling_params; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

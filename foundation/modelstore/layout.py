@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stagemesh.modelstore.errors import ModelError
+from foundation.modelstore.errors import ModelError
 
 CONFIG = "config.json"
 SINGLE_WEIGHTS = "model.safetensors"

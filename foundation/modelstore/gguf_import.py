@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stagemesh.modelstore.errors import ModelError
-from stagemesh.modelstore.layout import (
+from foundation.modelstore.errors import ModelError
+from foundation.modelstore.layout import (
     CONFIG,
     SINGLE_WEIGHTS,
     TOKENIZER,
     TOKENIZER_CONFIG,
 )
-from stagemesh.modelstore.progress import say
+from foundation.modelstore.progress import say
 
 GENERATION_CONFIG = "generation_config.json"
 # Keys of a transformers config that describe how it was loaded, not the model.

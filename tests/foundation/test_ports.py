@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from stagemesh import ports
+from foundation import ports
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stagemesh.modelstore import (
+from foundation.modelstore import (
     ModelError,
     check_model_dir,
     check_weights,
@@ -18,7 +18,7 @@ from stagemesh.modelstore import (
     stagemesh_home,
     weight_files,
 )
-from tests.stagemesh.conftest import TINY_CONFIG, tiny_tensors, truncate
+from tests.model_dirs import TINY_CONFIG, tiny_tensors, truncate
 
 SHARD_2 = "model-00002-of-00003.safetensors"
 
@@ -215,7 +215,7 @@ def test_stagemesh_home_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def test_import_pulls_in_no_torch() -> None:
     code = (
-        "import sys, stagemesh.cli, stagemesh.modelstore;"
+        "import sys, stagemesh.cli, foundation.modelstore;"
         "bad = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'});"
         "print(*bad)"
     )
