@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import PagedAttentionMetadata
+from kernels.attention_metadata import PagedAttentionMetadata
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # rows (query token x head-in-group) per program; tl.dot needs >= 16
