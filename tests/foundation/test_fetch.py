@@ -8,6 +8,7 @@ idempotence, atomic replacement, cleanup).
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -218,31 +219,56 @@ def test_pip_failure_reports_pip_output(
 
 
 def _install_in_child(model: DefaultModel, home: Path, log: Path) -> None:
-    """Child process: install with a slow fake import that logs each run."""
+    """Child process: install with a fake import that logs each run, and log every progress
+    line (the store says when it finds the lock held and waits)."""
 
     def slow_import(gguf_path: Path, out_dir: Path) -> ImportSummary:
         with log.open("a") as f:
             f.write("import\n")
-        time.sleep(0.5)  # long enough for the other process to reach the lock
         write_tiny_model(out_dir)
-        return ImportSummary(n_tensors=10, n_params=320, seconds=0.5)
+        return ImportSummary(n_tensors=10, n_params=320, seconds=0.0)
+
+    def say(message: str) -> None:
+        with log.open("a") as f:
+            f.write(f"say: {message}\n")
 
     gguf_import.import_gguf = slow_import  # this child process only; no monkeypatch here
+    store.say = say
     install_model(model, home)
 
 
 def test_concurrent_installs_import_once(home: Path, model: DefaultModel) -> None:
+    """Both installers find the lock held (the test holds it until both say they wait), so
+    they certainly contend; exactly one imports, the other finds the model imported."""
     log = home / "imports.log"
+    models = home / "models"
+    models.mkdir(parents=True)
     context = multiprocessing.get_context("spawn")
     children = [context.Process(target=_install_in_child, args=(model, home, log))
                 for _ in range(2)]
-    for child in children:
-        child.start()
+    with (models / ".Fake-Model.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for child in children:
+            child.start()
+        deadline = time.monotonic() + 60
+        while _waiting(log) < 2:
+            assert time.monotonic() < deadline, "the installers never reached the lock"
+            assert all(child.is_alive() for child in children)
+            time.sleep(0.05)
+        fcntl.flock(lock, fcntl.LOCK_UN)
     for child in children:
         child.join(timeout=60)
     assert [child.exitcode for child in children] == [0, 0]
-    assert log.read_text() == "import\n"
-    check_model_dir(home / "models" / "Fake-Model")
+    assert [line for line in log.read_text().splitlines() if line == "import"] == ["import"]
+    check_model_dir(models / "Fake-Model")
+
+
+def _waiting(log: Path) -> int:
+    """Installers that said they wait for the lock."""
+    if not log.exists():
+        return 0
+    return sum("another process is importing the model; waiting" in line
+               for line in log.read_text().splitlines())
 
 
 def test_unwritable_home_is_a_model_error(tmp_path: Path, model: DefaultModel) -> None:
