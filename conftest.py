@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from kernels.platform import PLATFORM
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
+    if PLATFORM.has_cuda:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine)")
     for item in items:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shapes import SHAPES
+from kernels.platform import PLATFORM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -29,8 +30,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig(**SHAPES[args.shape])
     torch.set_default_dtype(getattr(torch, args.dtype))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
+    with PLATFORM.default_device:
         model = LlamaForCausalLM(cfg)
     model.save_pretrained(args.out)
     for name in TOKENIZER_FILES:
