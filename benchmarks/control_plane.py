@@ -1,4 +1,4 @@
-"""W6: the control-plane ceiling. Stages skip model compute (`--fake-compute`), so a step
+"""W6: the control-plane ceiling. Stages skip model compute (`--model-impl null`), so a step
 costs only planning, gRPC plans/results, the data plane ([64, 576] fp32 = 147 KB of
 activations per hop) and streaming tokens to clients. 64 sequences decode; steps/s is read
 from the router's step counter over a window of steady decoding, for 1 and 2 stages in
@@ -57,13 +57,13 @@ def main() -> None:
                     default=Path(f"benchmarks/results/w6-{dt.date.today()}.json"))
     args = ap.parse_args()
     config: dict[str, Any] = {"workload": "W6", "model": "smollm2-135m (config only)",
-                              "compute": "fake (no model work)", "transport": "tcp",
+                              "compute": "null model (no model work)", "transport": "tcp",
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
                               "revision": git_revision()}
     print(config)
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
-        with Mesh("--stages", str(p), "--fake-compute", "--max-num-seqs", str(args.seqs),
+        with Mesh("--stages", str(p), "--model-impl", "null", "--max-num-seqs", str(args.seqs),
                   "--num-blocks", "8192", "--stream-interval", str(args.stream_interval)) as mesh:
             result = asyncio.run(measure(mesh.address, args.seqs, args.window))
         rows.append({"stages": p, **result})

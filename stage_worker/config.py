@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+MODEL_IMPLS = ("auto", "llama", "null")
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,12 @@ class StageConfig:
         dtype: "auto", "float32", "bfloat16" or "float16".
         block_size / num_blocks / kv_cache_bytes: the KV pool (num_blocks fixes it).
         gpu_memory_utilization: this stage's share of its GPU (weights, activations, KV).
-        fake_compute: skip the model (control-plane benchmark W6): no weights are loaded.
+        model_impl: "auto" or "llama" (the torch Llama-family model of `model_dir`), or
+            "null" (no model compute, no weights: the control-plane benchmark W6).
+        max_num_batched_tokens: the largest step (tokens computed) the stage sizes its
+            activations for and accepts.
+        max_num_seqs: the most sequences one step may compute (decode graphs are captured
+            up to it, at most 256).
         host / port: the gRPC control listener (port 0 picks one).
         dataplane_host: the address the data-plane listener binds; "" binds the host the
             router reaches this stage by (the host of its gRPC address).
@@ -43,7 +51,9 @@ class StageConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    fake_compute: bool = False
+    model_impl: str = "auto"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
     host: str = "127.0.0.1"
     port: int = 0
     dataplane_host: str = ""
@@ -60,3 +70,22 @@ class StageConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.dataplane_port <= 65535:
             raise ValueError(f"dataplane_port must be in [0, 65535], got {self.dataplane_port}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "
+                             f"{self.model_impl!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def to_json(self) -> str:
+        """The config as JSON (how the leader hands it to its TP rank processes; no pickle)."""
+        return json.dumps({k: (str(v) if isinstance(v, Path) else v)
+                           for k, v in asdict(self).items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> StageConfig:
+        doc = json.loads(text)
+        doc["model_dir"] = Path(doc["model_dir"])
+        if doc.get("layer_override") is not None:
+            doc["layer_override"] = tuple(doc["layer_override"])
+        return cls(**doc)

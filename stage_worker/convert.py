@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
-from stage_worker.plan import CachedSeq, NewSeq, StagePlan, StepOutcome
+from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan, StepOutcome
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -19,13 +19,13 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
     new = tuple(
-        NewSeq(s.seq_id, tuple(s.token_ids), s.prompt_len, tuple(s.block_ids), s.num_computed,
+        StageNewSeq(s.seq_id, tuple(s.token_ids), s.prompt_len, tuple(s.block_ids), s.num_computed,
                s.num_new, s.sample,
                sampling_from_proto(s.sampling) if s.HasField("sampling") else None)
         for s in msg.new_seqs
     )
     cached = tuple(
-        CachedSeq(s.seq_id, tuple(s.new_block_ids), s.num_computed, s.num_new,
+        StageCachedSeq(s.seq_id, tuple(s.new_block_ids), s.num_computed, s.num_new,
                   tuple(s.append_token_ids), s.sample)
         for s in msg.cached_seqs
     )

@@ -29,6 +29,14 @@ from stage_worker.step_input import SeqChunk
 log = logging.getLogger("stagemesh.runner")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_GRAPH_BATCH = BUCKETS[-1]
+
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """The buckets captured for batches up to `max_batch`: every bucket below it and the
+    smallest one that holds it (at most MAX_GRAPH_BATCH)."""
+    below = tuple(b for b in BUCKETS if b < max_batch)
+    return below + tuple(b for b in BUCKETS if b >= max_batch)[:1]
 
 
 class DecodeGraphs:
@@ -43,13 +51,13 @@ class DecodeGraphs:
         max_blocks: the widest block table the buffers hold (longest context / block size).
         input_shape: () for token ids (first stage), (hidden,) for hidden states.
         dtype: hidden-state dtype (non-first stages).
-        max_batch: the largest bucket captured.
+        max_batch: the largest batch to replay (see `graph_buckets`).
     """
 
     def __init__(self, model: LlamaStageModel, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
                  inv_freq: torch.Tensor, block_size: int, scratch_block: int, max_blocks: int,
                  input_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 max_batch: int = BUCKETS[-1]) -> None:
+                 max_batch: int = MAX_GRAPH_BATCH) -> None:
         started = time.monotonic()
         self.model = model
         self.kv_layers = kv_layers
@@ -57,7 +65,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_blocks = max_blocks
-        self.buckets = tuple(b for b in BUCKETS if b <= max_batch)
+        self.buckets = graph_buckets(max_batch)
         size = self.buckets[-1]
         self.inputs = (torch.zeros(size, dtype=torch.long, device=device) if not input_shape
                        else torch.zeros(size, *input_shape, dtype=dtype, device=device))

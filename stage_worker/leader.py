@@ -1,192 +1,91 @@
-"""The stage leader (TP rank 0): runs steps, fans plans out to the other TP ranks, and moves
-activations over the data plane. Synchronous; the gRPC service calls it from a thread.
+"""The stage leader (TP rank 0): what only rank 0 does around the step every rank runs.
 
-TP fan-out protocol, per step, over the TP group's control channel: one tagged message,
-PLAN + the serialized plan, RESET (drop all state) or SHUTDOWN; after a plan, on a non-first
-stage, the step's input activations broadcast from the leader (every rank needs them).
+Per plan: check it against the stage's limits and held sequences (a refused plan reaches no
+other rank), receive the step's activations from upstream, fan the plan out to the other TP
+ranks (`tp_fanout`), run `StageRank.step`, then send the output downstream or, on the last
+stage, sample; the outcome answers the router. Synchronous; the gRPC service calls it from
+one worker thread.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from dataclasses import dataclass
-
 import torch
 
-from stage_worker.dataplane import (
-    LinkListener,
-    LinkSpec,
-    Transport,
-    TransportError,
-    TransportKind,
-    open_link,
-    open_listener,
-)
-from stage_worker.executor import StepExecutor
-from stage_worker.parallel import TPGroup
+from stage_worker import tp_fanout
+from stage_worker.links import DataPlaneAddress, DataPlaneLinks
 from stage_worker.plan import StagePlan, StepOutcome
-
-log = logging.getLogger("stagemesh.stage")
-
-PLAN = b"P"  # followed by the serialized StepPlan (which may itself be empty bytes)
-RESET = b"R"
-SHUTDOWN = b"S"
+from stage_worker.stage_rank import StageRank
 
 
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
-
-
-@dataclass(frozen=True)
-class DataPlaneAddress:
-    """Where this stage's data-plane listener binds and what it tells the upstream stage.
-
-    bind_host: "" binds the host the router names in the LISTEN request.
-    port: 0 picks a free port per listener; a fixed port is reused across re-links.
-    advertise_host: "" advertises the bound host, or the router's name for this stage when
-        the bound host is a wildcard.
-    """
-
-    bind_host: str = ""
-    port: int = 0
-    advertise_host: str = ""
-
-    def resolve(self, router_host: str) -> tuple[str, str]:
-        """(host to bind, host to advertise) for a LISTEN request naming `router_host`."""
-        bind = (self.bind_host or router_host).strip("[]")
-        if self.advertise_host:
-            return bind, self.advertise_host
-        return bind, (router_host if bind in WILDCARD_HOSTS else bind)
-
-
-class LinkNotReadyError(RuntimeError):
-    """A step arrived before the data-plane link it needs was connected."""
+class ActivationMismatchError(ValueError):
+    """Upstream sent activations that do not fit the step's plan (shape or dtype)."""
 
 
 class StageLeader:
-    """Owns the executor of TP rank 0, the data-plane links and the TP fan-out."""
+    """Owns TP rank 0's `StageRank`, the data-plane links and the TP fan-out."""
 
-    def __init__(self, executor: StepExecutor, tp: TPGroup, step_timeout_s: float,
-                 dataplane: DataPlaneAddress = DataPlaneAddress()) -> None:
-        self.executor = executor
-        self.tp = tp
-        self.step_timeout_s = step_timeout_s
-        self.dataplane = dataplane
-        self.epoch = -1
-        self._listener: LinkListener | None = None
-        self._upstream: Transport | None = None
-        self._downstream: Transport | None = None
-        self._upstream_ready = threading.Event()
-        self._lock = threading.Lock()
-
-    # --- data-plane links -------------------------------------------------------------------
+    def __init__(self, rank: StageRank, step_timeout_s: float,
+                 dataplane: DataPlaneAddress | None = None) -> None:
+        """`dataplane`: where the upstream listener binds (default: the router's name)."""
+        self.rank = rank
+        self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s)
 
     def listen_upstream(self, router_host: str, token: bytes, epoch: int) -> str:
-        """Start listening for the upstream stage; returns the "host:port" it should dial.
-        `router_host` is the host the router reaches this stage by (see `DataPlaneAddress`).
-        Accepts in the background; a step waits for the link."""
-        self._new_epoch(epoch)
-        bind, advertise = self.dataplane.resolve(router_host)
-        with self._lock:  # a repeated LISTEN in one epoch replaces the listener (same port)
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
-        listener = open_listener(LinkSpec(TransportKind.TCP, bind, self.dataplane.port, token))
-        self._listener = listener
-        self._upstream_ready.clear()
-        threading.Thread(target=self._accept, args=(listener, epoch), daemon=True,
-                         name="dataplane-accept").start()
-        host = f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
-        return f"{host}:{listener.spec.port}"
+        """See `DataPlaneLinks.listen_upstream`."""
+        return self.links.listen_upstream(router_host, token, epoch)
 
     def connect_downstream(self, address: str, token: bytes, epoch: int) -> None:
-        self._new_epoch(epoch)
-        host, _, port = address.rpartition(":")
-        link = open_link(LinkSpec(TransportKind.TCP, host.strip("[]"), int(port), token),
-                         timeout_s=self.step_timeout_s)
-        with self._lock:
-            if self._downstream is not None:
-                self._downstream.close()
-            self._downstream = link
-
-    def _accept(self, listener: LinkListener, epoch: int) -> None:
-        try:
-            link = listener.accept(timeout_s=self.step_timeout_s)
-        except (TransportError, OSError) as e:  # the step that needs the link reports it
-            log.warning("upstream link (epoch %d) not accepted: %s", epoch, e)
-            return
-        with self._lock:
-            if epoch != self.epoch:
-                link.close()
-                return
-            if self._upstream is not None:
-                self._upstream.close()
-            self._upstream = link
-        self._upstream_ready.set()
-
-    def _new_epoch(self, epoch: int) -> None:
-        """A higher epoch drops the links of the previous one (a stage restarted)."""
-        with self._lock:
-            if epoch <= self.epoch:
-                return
-            self.epoch = epoch
-            for link in (self._upstream, self._downstream):
-                if link is not None:
-                    link.close()
-            if self._listener is not None:
-                self._listener.close()
-            self._upstream = self._downstream = None
-            self._listener = None
+        self.links.connect_downstream(address, token, epoch)
 
     @property
     def linked(self) -> bool:
-        up_ok = self.executor.is_first or self._upstream is not None
-        down_ok = self.executor.is_last or self._downstream is not None
+        """Whether every link this stage needs is up (none for a single-stage pipeline)."""
+        up_ok = self.rank.is_first or self.links.has_upstream
+        down_ok = self.rank.is_last or self.links.has_downstream
         return up_ok and down_ok
 
-    # --- steps ------------------------------------------------------------------------------
+    def run_step(self, plan: StagePlan) -> StepOutcome:
+        """Run one step on every TP rank; send the activations on, or sample.
 
-    def run_step(self, plan: StagePlan, plan_bytes: bytes | None) -> StepOutcome:
-        """Execute one step on every TP rank; send activations on or sample.
-
-        plan_bytes: the serialized plan for the other TP ranks (None when there are none).
+        Raises:
+            PlanError: the plan exceeds the stage's limits or contradicts its state
+                (nothing ran; no other rank saw it).
+            LinkNotReadyError, TransportError, ActivationMismatchError: the upstream
+                activations did not come as planned (no other rank saw the plan).
         """
-        if self.tp.size > 1:
-            assert plan_bytes is not None, "a TP group needs the serialized plan"
-            self.tp.broadcast_bytes(PLAN + plan_bytes)
-        ex = self.executor
-        chunks, ids = ex.prepare(plan)
-        if ex.is_first:
-            assert ids is not None
-            inputs = ids
-        else:
-            inputs = self._recv(plan.step_id)
-            if self.tp.size > 1 and chunks:
-                inputs = self.tp.broadcast(inputs.to(ex.shape.device))
-        out = ex.forward(chunks, inputs) if chunks else torch.empty(0)
+        rank = self.rank
+        rank.check(plan)
+        upstream = None if rank.is_first else self._receive(plan)
+        tp_fanout.send_plan(rank.tp, plan)
+        chunks, out = rank.step(plan, upstream)
         tokens = []
-        if not ex.is_last:
-            if self._downstream is None:
-                raise LinkNotReadyError("no downstream data-plane link: router must Connect")
-            self._downstream.send(plan.step_id, [out.cpu() if chunks else
-                                                 torch.empty(0, ex.shape.hidden_size)])
-        elif chunks:
-            tokens = ex.sample(chunks, out)
-        return StepOutcome(plan.step_id, tuple(tokens), ex.state.kv_blocks_used,
-                           len(ex.state.seqs))
+        if not rank.is_last:
+            if out is None:  # nothing computed: the next stage still expects this step
+                out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
+            self.links.send(plan.step_id, [out])
+        elif out is not None:
+            tokens = rank.sample(chunks, out)
+        return StepOutcome(plan.step_id, tuple(tokens), rank.held.kv_blocks_used,
+                           len(rank.held.seqs))
 
-    def _recv(self, step_id: int) -> torch.Tensor:
-        if not self._upstream_ready.wait(self.step_timeout_s) or self._upstream is None:
-            raise LinkNotReadyError(f"step {step_id}: upstream data-plane link not connected "
-                                    f"within {self.step_timeout_s:.0f}s")
-        (hidden,) = self._upstream.recv(step_id, timeout_s=self.step_timeout_s)
-        return hidden
+    def _receive(self, plan: StagePlan) -> torch.Tensor:
+        """The step's activations [T, H] from upstream, checked against the plan."""
+        tensors = self.links.recv(plan.step_id)
+        want = (plan.num_tokens, self.rank.shape.hidden_size)
+        dtype = self.rank.shape.dtype
+        if len(tensors) != 1 or tuple(tensors[0].shape) != want or tensors[0].dtype != dtype:
+            got = [f"{list(t.shape)} {t.dtype}" for t in tensors]
+            raise ActivationMismatchError(f"step {plan.step_id}: upstream sent {got}, the plan "
+                                          f"computes {list(want)} {dtype}")
+        return tensors[0]
 
     def reset(self) -> int:
-        """Drop all sequence state on every rank (the Run stream ended)."""
-        self.tp.broadcast_bytes(RESET)
-        return self.executor.state.clear()
+        """Drop all sequence state on every rank (the Run stream ended); returns how many
+        sequences this stage held."""
+        tp_fanout.send_reset(self.rank.tp)
+        return self.rank.reset()
 
     def shutdown(self) -> None:
-        self.tp.broadcast_bytes(SHUTDOWN)
-        self._new_epoch(self.epoch + 1)
+        """Stop the other TP ranks and close the links."""
+        tp_fanout.send_shutdown(self.rank.tp)
+        self.links.close()

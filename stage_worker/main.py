@@ -17,24 +17,24 @@ from grpc_reflection.v1alpha import reflection
 
 from foundation.ports import free_port
 from foundation.tls import ListenError, ServerTls, add_port
+from kernels.platform import distributed_backend
 from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
-from stage_worker.build import build_executor
+from stage_worker.build import build_stage_rank, rank_device
 from stage_worker.config import StageConfig
-from stage_worker.leader import DataPlaneAddress, StageLeader
-from stage_worker.parallel import init_tp_group
+from stage_worker.leader import StageLeader
+from stage_worker.links import DataPlaneAddress
+from stage_worker.parallel import TPGroup, init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
-from stage_worker.tp_rank import agree_on_num_blocks, config_to_json
 
 log = logging.getLogger("stagemesh.stage")
 
 # Activations never travel over gRPC, but a plan for a long prompt carries its token ids.
 MAX_MESSAGE_BYTES = 64 << 20
-FAKE_COMPUTE_BLOCKS = 1 << 16
 
 
 def spawn_tp_ranks(cfg: StageConfig, init_url: str) -> list[subprocess.Popen[bytes]]:
     """Start TP ranks 1..T-1 as real processes (no pickle: the config travels as JSON)."""
-    blob = config_to_json(cfg)
+    blob = cfg.to_json()
     return [
         subprocess.Popen([sys.executable, "-m", "stage_worker.tp_rank", str(r), init_url, blob])
         for r in range(1, cfg.tp_size)
@@ -48,24 +48,22 @@ def health_servicer() -> health.HealthServicer:
     return servicer
 
 
+def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
+    """TP rank 0's stage behind its gRPC servicer (the other ranks must be joining `tp`)."""
+    rank = build_stage_rank(cfg, tp)
+    leader = StageLeader(rank, cfg.step_timeout_s, DataPlaneAddress(
+        cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise))
+    return StageServicer(leader, StageIdentity.of(cfg, rank))
+
+
 async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
                       tls: ServerTls | None = None) -> int:
     """`tls`: serve the control API over TLS (mutual with a client CA); None = plaintext."""
     init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
     ranks = spawn_tp_ranks(cfg, init_url)
-    tp = init_tp_group(0, cfg.tp_size, init_url)
-    executor, model_cfg = build_executor(cfg, tp)
-    num_blocks = agree_on_num_blocks(executor, tp)
-    if executor.runner is None:
-        num_blocks = cfg.num_blocks or FAKE_COMPUTE_BLOCKS
-    layers = executor.shape.layers
-    identity = StageIdentity(
-        cfg.stage_index, cfg.num_stages, layers.start, layers.end, str(executor.shape.device),
-        str(executor.shape.dtype).removeprefix("torch."), cfg.tp_size, num_blocks,
-        cfg.block_size, model_cfg.hidden_size, model_cfg.vocab_size, cfg.fake_compute,
-    )
-    servicer = StageServicer(StageLeader(executor, tp, cfg.step_timeout_s, DataPlaneAddress(
-        cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise)), identity)
+    tp = init_tp_group(0, cfg.tp_size, init_url, distributed_backend(rank_device(cfg, 0)))
+    servicer = stage_servicer(cfg, tp)
+    identity = servicer.identity
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
@@ -81,8 +79,11 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
         raise
     await server.start()
     address = f"{cfg.host}:{port}"
-    log.info("stage %d/%d (layers %d-%d, %d KV blocks) serving on %s", cfg.stage_index,
-             cfg.num_stages, layers.start, layers.end - 1, num_blocks, address)
+    log.info("stage %d/%d (layers %d-%d, %s model, %d KV blocks, steps up to %d tokens over "
+             "%d sequences) serving on %s", cfg.stage_index, cfg.num_stages,
+             identity.layer_start, identity.layer_end - 1, identity.model_impl,
+             identity.num_kv_blocks, identity.max_num_batched_tokens, identity.max_num_seqs,
+             address)
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(address)

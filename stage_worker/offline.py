@@ -14,6 +14,7 @@ import torch
 
 from foundation.model_config import ModelConfig
 from foundation.sampling_params import SamplingParams
+from kernels import platform
 from stage_worker.parallel import TPGroup
 from stage_worker.partition import partition_layers
 from stage_worker.runner import StageRunner, StageRunnerConfig
@@ -24,11 +25,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible (use --device cpu)")
-    return torch.device(name)
+    """`kernels.platform.resolve_device` for a command's --device flag: a device this
+    machine lacks ends the command with a one-line message (SystemExit)."""
+    try:
+        return platform.resolve_device(name)
+    except platform.DeviceUnavailableError as e:
+        raise SystemExit(f"--device {e}") from None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

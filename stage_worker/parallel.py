@@ -63,6 +63,14 @@ class TPGroup:
             dist.broadcast(buf, src=root, group=group)
         return data if data is not None else buf.numpy().tobytes()
 
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (each rank passes its own; all get it)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control or self.group)
+        return int(t.item())
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy rank `src`'s `x` (group rank) into every rank's `x`, in place."""
         if self.size == 1 or self.group is None:
@@ -71,17 +79,18 @@ class TPGroup:
         return x
 
 
-def init_tp_group(rank: int, size: int, init_method: str, backend: str | None = None,
+def init_tp_group(rank: int, size: int, init_method: str, backend: str,
                   timeout_s: float = 120.0) -> TPGroup:
-    """Join this process to its stage's TP group (gloo on CPU, NCCL on CUDA by default).
+    """Join this process to its stage's TP group.
 
     init_method: a torch.distributed rendezvous URL, e.g. "tcp://127.0.0.1:29501".
+    backend: "gloo" or "nccl", as `kernels.platform.distributed_backend` gives for the
+        stage's device. A NCCL group gets a gloo twin for host-side control traffic.
     """
     if size == 1:
         return TPGroup()
     from datetime import timedelta
 
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     world = dist.group.WORLD

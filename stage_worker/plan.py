@@ -7,22 +7,29 @@ from dataclasses import dataclass
 from foundation.sampling_params import SamplingParams
 
 
+class PlanError(ValueError):
+    """A plan the stage refuses: it contradicts the stage's state (unknown or duplicate
+    sequence, short block table) or exceeds what the stage sized for (tokens, sequences,
+    block ids). The message names the step, the sequence and the limit. The stage fails
+    that step loudly rather than guessing."""
+
+
 @dataclass(frozen=True)
-class NewSeq:
-    """A sequence sent in full: on first schedule, and again after a preemption."""
+class StageNewSeq:
+    """A sequence sent to the stage in full: on first schedule, and again after a preemption."""
 
     seq_id: int
-    token_ids: tuple[int, ...]  # prompt + earlier outputs; empty on middle stages
+    token_ids: tuple[int, ...]  # prompt + earlier outputs; may be empty on middle stages
     prompt_len: int
     block_ids: tuple[int, ...]
     num_computed: int
     num_new: int
     sample: bool
-    sampling: SamplingParams | None  # last stage only
+    sampling: SamplingParams | None  # read by the last stage only
 
 
 @dataclass(frozen=True)
-class CachedSeq:
+class StageCachedSeq:
     """A sequence the stage holds, continued as a diff."""
 
     seq_id: int
@@ -38,14 +45,18 @@ class StagePlan:
     """One step. Batch order: new_seqs, then cached_seqs."""
 
     step_id: int
-    new_seqs: tuple[NewSeq, ...]
-    cached_seqs: tuple[CachedSeq, ...]
+    new_seqs: tuple[StageNewSeq, ...]
+    cached_seqs: tuple[StageCachedSeq, ...]
     free_seq_ids: tuple[int, ...]
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst), applied before the step
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.new_seqs) + sum(s.num_new for s in self.cached_seqs)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.new_seqs) + len(self.cached_seqs)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The stage runner: builds this stage's layers, loads their weights, owns the KV pool and
-every device call, and executes one step at a time."""
+"""The torch model runner: builds this stage's layers, loads their weights, owns the KV pool
+and every device call, executes one step at a time, and samples on the last stage."""
 
 from __future__ import annotations
 
@@ -14,13 +14,18 @@ import torch
 from foundation.model_config import ModelConfig
 from kernels.paged_attention import uses_triton_kernel
 from kernels.rotary import rope_inv_freq
-from stage_worker.cuda_graphs import DecodeGraphs
+from stage_worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from stage_worker.held_seqs import HeldSeq
 from stage_worker.kv_pool import KVPool, KVPoolShape
 from stage_worker.loader import load_stage_weights, load_stage_weights_from_tensors
+from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.parallel import TPGroup, shard_heads
 from stage_worker.partition import LayerRange
+from stage_worker.plan import SampledToken
+from stage_worker.sampling import Sampler
 from stage_worker.step_input import SeqChunk, build_context, sample_rows
+from stage_worker.step_sampling import sample_step
 
 log = logging.getLogger("stagemesh.runner")
 
@@ -32,8 +37,10 @@ class StageRunnerConfig:
     """How to build one stage on one TP rank.
 
     num_blocks fixes the pool size (tests); otherwise the pool takes `kv_cache_bytes`, or on
-    CUDA `gpu_memory_utilization` of the card minus weights and the profiled activation peak.
-    cuda_graphs: capture decode steps (see `stage_worker.cuda_graphs`); off = always eager.
+    CUDA `gpu_memory_utilization` of the card minus weights and the activation peak of a
+    profiled step of `max_num_batched_tokens` tokens over `max_num_seqs` sequences.
+    cuda_graphs: capture decode steps (see `stage_worker.cuda_graphs`) for batches up to
+    `max_num_seqs` (at most MAX_GRAPH_BATCH; larger ones run eagerly); off = always eager.
     """
 
     model_dir: Path
@@ -45,11 +52,14 @@ class StageRunnerConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
     cuda_graphs: bool = True  # decode steps replay CUDA graphs where supported
 
 
-class StageRunner:
-    """Runs this stage's slice of the model over a paged KV pool."""
+class StageRunner(ModelRunner):
+    """Runs this stage's slice of a Llama-family model over a paged KV pool."""
+
+    impl = "llama"
 
     def __init__(self, cfg: StageRunnerConfig, model_cfg: ModelConfig,
                  tp: TPGroup | None = None,
@@ -59,6 +69,7 @@ class StageRunner:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.tp = tp or TPGroup()
+        self.sampler = Sampler()
         started = time.monotonic()
         with torch.device(cfg.device):
             self.model = LlamaStageModel(model_cfg, cfg.layers, self.tp, cfg.dtype)
@@ -90,13 +101,7 @@ class StageRunner:
             cfg.device,
         )
         if graphs:
-            with torch.inference_mode():
-                self.graphs = DecodeGraphs(
-                    self.model, self.kv.layers(), self.inv_freq, cfg.block_size,
-                    scratch_block=num_blocks,
-                    max_blocks=-(-model_cfg.max_position_embeddings // cfg.block_size),
-                    input_shape=() if self.is_first else (model_cfg.hidden_size,),
-                    dtype=cfg.dtype, device=cfg.device)
+            self.graphs = self._capture_graphs(scratch_block=num_blocks)
         self.use_graphs = self.graphs is not None
         log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens",
                  cfg.layers.start, cfg.layers.end - 1, time.monotonic() - started,
@@ -106,6 +111,28 @@ class StageRunner:
     def num_blocks(self) -> int:
         """KV blocks the scheduler may hand out (the scratch block is not among them)."""
         return self._num_blocks
+
+    @property
+    def shape(self) -> StageShape:
+        m = self.model_cfg
+        return StageShape(self.cfg.layers, m.hidden_size, m.vocab_size, self.cfg.dtype,
+                          self.cfg.device)
+
+    @property
+    def capacity(self) -> StageCapacity:
+        return StageCapacity(self._num_blocks, self.cfg.block_size,
+                             self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, scratch_block: int) -> DecodeGraphs:
+        """Decode graphs for batches up to max_num_seqs (at most MAX_GRAPH_BATCH)."""
+        cfg, model_cfg = self.cfg, self.model_cfg
+        return DecodeGraphs(
+            self.model, self.kv.layers(), self.inv_freq, cfg.block_size,
+            scratch_block=scratch_block,
+            max_blocks=-(-model_cfg.max_position_embeddings // cfg.block_size),
+            input_shape=() if self.is_first else (model_cfg.hidden_size,),
+            dtype=cfg.dtype, device=cfg.device, max_batch=min(cfg.max_num_seqs, MAX_GRAPH_BATCH))
 
     def _graphs_supported(self) -> bool:
         # Graphs capture the Triton attention (the reference's shapes depend on the batch).
@@ -140,6 +167,10 @@ class StageRunner:
         rows = torch.tensor(sample_rows(chunks), dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden[rows])
 
+    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> list[SampledToken]:
+        """`scores`: the fp32 logits [S, V] `execute` returned; see `step_sampling`."""
+        return sample_step(self.sampler, scores, seqs, self.model_cfg.vocab_size)
+
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy KV block src -> dst in every layer (copy-on-write of shared blocks)."""
@@ -161,15 +192,15 @@ class StageRunner:
         """Run the largest step once over a scratch pool; the KV pool gets what is left
         under `gpu_memory_utilization` after weights and that activation peak."""
         tokens = self.cfg.max_num_batched_tokens
-        blocks = -(-tokens // self.cfg.block_size)
+        chunks = profile_chunks(tokens, self.cfg.max_num_seqs, self.cfg.block_size)
+        blocks = max(max(c.block_table) for c in chunks) + 1
         shape = self._pool_shape
         self.kv = KVPool(KVPoolShape(shape.num_layers, blocks, shape.block_size, shape.kv_heads,
                                      shape.head_dim, shape.dtype), self.cfg.device)
         torch.cuda.reset_peak_memory_stats(self.cfg.device)
-        chunk = SeqChunk(0, 0, tokens, list(range(blocks)), sample=True)
         dummy = (torch.zeros(tokens, dtype=torch.long) if self.is_first else
                  torch.zeros(tokens, self.model_cfg.hidden_size, dtype=self.cfg.dtype))
-        self.execute([chunk], dummy)
+        self.execute(chunks, dummy)
         torch.cuda.synchronize(self.cfg.device)
         peak = torch.cuda.max_memory_allocated(self.cfg.device)  # weights + activations
         del self.kv
@@ -182,3 +213,18 @@ class StageRunner:
         log.info("profile: peak %.2f GiB over %d tokens; KV budget %.2f GiB",
                  peak / 2**30, tokens, budget / 2**30)
         return shape.blocks_that_fit(budget)
+
+
+def profile_chunks(tokens: int, max_seqs: int, block_size: int) -> list[SeqChunk]:
+    """The profiled step: `tokens` prefill tokens split over min(max_seqs, tokens)
+    sequences, every one sampling (the largest activations and the most logit rows one step
+    may have), with contiguous block tables from block 0."""
+    n = max(1, min(max_seqs, tokens))
+    base, extra = divmod(tokens, n)
+    chunks, next_block = [], 0
+    for i in range(n):
+        length = base + int(i < extra)
+        blocks = -(-length // block_size)
+        chunks.append(SeqChunk(i, 0, length, range(next_block, next_block + blocks)))
+        next_block += blocks
+    return chunks

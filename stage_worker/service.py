@@ -12,16 +12,19 @@ import grpc
 
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc
+from stage_worker.config import StageConfig
 from stage_worker.convert import error_to_proto, outcome_to_proto, plan_from_proto
 from stage_worker.dataplane import TransportError
 from stage_worker.leader import StageLeader
+from stage_worker.plan import PlanError
+from stage_worker.stage_rank import StageRank
 
 log = logging.getLogger("stagemesh.stage")
 
 
 @dataclass(frozen=True)
 class StageIdentity:
-    """What Describe reports besides live usage."""
+    """What Describe reports besides live usage: what the stage holds and sized itself for."""
 
     stage_index: int
     num_stages: int
@@ -34,7 +37,18 @@ class StageIdentity:
     block_size: int
     hidden_size: int
     vocab_size: int
-    fake_compute: bool
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    model_impl: str
+
+    @classmethod
+    def of(cls, cfg: StageConfig, rank: StageRank) -> StageIdentity:
+        """The identity of the stage whose TP rank 0 is `rank`, built from `cfg`."""
+        shape, limits = rank.shape, rank.limits
+        return cls(cfg.stage_index, cfg.num_stages, shape.layers.start, shape.layers.end,
+                   str(shape.device), str(shape.dtype).removeprefix("torch."), cfg.tp_size,
+                   limits.num_blocks, limits.block_size, shape.hidden_size, shape.vocab_size,
+                   limits.max_num_batched_tokens, limits.max_num_seqs, rank.runner.impl)
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -53,14 +67,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Describe(self, request: pb.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
-        i, state = self.identity, self.leader.executor.state
+        i, held = self.identity, self.leader.rank.held
         return pb.DescribeResponse(
             stage_index=i.stage_index, num_stages=i.num_stages, layer_start=i.layer_start,
             layer_end=i.layer_end, device=i.device, dtype=i.dtype, tp_size=i.tp_size,
             num_kv_blocks=i.num_kv_blocks, block_size=i.block_size, hidden_size=i.hidden_size,
-            vocab_size=i.vocab_size, kv_blocks_used=state.kv_blocks_used,
-            num_sequences=len(state.seqs), fake_compute=i.fake_compute,
-            transports=[pb.TRANSPORT_TCP],
+            vocab_size=i.vocab_size, kv_blocks_used=held.kv_blocks_used,
+            num_sequences=len(held.seqs), transports=[pb.TRANSPORT_TCP],
+            max_num_batched_tokens=i.max_num_batched_tokens, max_num_seqs=i.max_num_seqs,
+            model_impl=i.model_impl,
         )
 
     async def Connect(self, request: pb.ConnectRequest,
@@ -96,11 +111,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if generation != self._run_generation or self.draining:
                     return
                 plan = plan_from_proto(msg)
-                data = msg.SerializeToString() if self.leader.tp.size > 1 else None
                 try:
-                    outcome = await self._call(self.leader.run_step, plan, data)
+                    outcome = await self._call(self.leader.run_step, plan)
                 except Exception as e:
-                    log.exception("step %d failed", plan.step_id)
+                    if isinstance(e, PlanError):  # refused before any compute: no traceback
+                        log.error("step %d refused: %s", plan.step_id, e)
+                    else:
+                        log.exception("step %d failed", plan.step_id)
                     yield error_to_proto(plan.step_id, f"stage {self.identity.stage_index}: "
                                                        f"{type(e).__name__}: {e}")
                     return

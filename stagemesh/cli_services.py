@@ -60,8 +60,8 @@ def _add_stage(commands: SubParsers) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool memory per rank")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="this stage's share of its GPU")
-    p.add_argument("--fake-compute", action="store_true",
-                   help="skip model compute (control-plane benchmark)")
+    _add_model_impl_arg(p)
+    _add_stage_capacity_args(p)
     p.add_argument("--host", default=_env("STAGEMESH_STAGE_HOST", "127.0.0.1"),
                    help="control listener address [$STAGEMESH_STAGE_HOST]")
     p.add_argument("--port", type=int, default=int(_env("STAGEMESH_STAGE_PORT", "0")))
@@ -84,23 +84,37 @@ def _add_stage(commands: SubParsers) -> None:
     p.set_defaults(handler=_stage)
 
 
-def _stage(args: argparse.Namespace) -> int:
-    import torch
+def _add_model_impl_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-impl", default="auto", choices=("auto", "llama", "null"),
+                   help="model implementation: auto/llama (the model's weights), or null (no "
+                        "model compute, no weights: control-plane benchmark)")
 
+
+def _add_stage_capacity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="largest step (tokens) the stage sizes its activations for and accepts")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences one step may compute")
+
+
+def _stage(args: argparse.Namespace) -> int:
     from foundation.modelstore import resolve_model
+    from kernels.platform import DeviceUnavailableError, resolve_device
     from stage_worker.config import StageConfig
     from stage_worker.main import run_stage
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = str(resolve_device(args.device))
+    except DeviceUnavailableError as e:
+        raise SystemExit(f"stagemesh stage: --device {e}") from None
     cfg = StageConfig(
         model_dir=resolve_model(args.model), stage_index=args.stage_index,
         num_stages=args.num_stages, layer_override=args.layers, tp_size=args.tp,
         device=device, dtype=args.dtype, block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_bytes=int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else None,
-        gpu_memory_utilization=args.gpu_memory_utilization, fake_compute=args.fake_compute,
+        gpu_memory_utilization=args.gpu_memory_utilization, model_impl=args.model_impl,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         host=args.host, port=args.port,
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
@@ -253,7 +267,7 @@ def _add_serve(commands: SubParsers) -> None:
                    help="HTTP gateway port (0 = no gateway)")
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--kv-cache-gb", type=float, default=None)
-    p.add_argument("--fake-compute", action="store_true")
+    _add_model_impl_arg(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="stages never replay CUDA graphs for decode steps")
     _add_router_args(p)

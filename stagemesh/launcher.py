@@ -51,17 +51,39 @@ class Child:
 
 
 def _stage_devices(args: argparse.Namespace) -> list[str]:
-    """Device per stage: one GPU group per stage when there are enough, else all share."""
-    if args.device == "cpu":
-        return ["cpu"] * args.stages
-    import torch
+    """Device per stage: one GPU group per stage when there are enough, else all share.
+    A device this machine lacks ends `serve` with one line."""
+    from kernels.platform import PLATFORM, DeviceUnavailableError, resolve_device
 
-    if args.device == "auto" and not torch.cuda.is_available():
+    try:
+        device = resolve_device(args.device)
+    except DeviceUnavailableError as e:
+        raise SystemExit(f"stagemesh serve: --device {e}") from None
+    if device.type == "cpu":
         return ["cpu"] * args.stages
-    count = torch.cuda.device_count()
-    if count >= args.stages * args.tp:
+    if PLATFORM.cuda_device_count >= args.stages * args.tp:
         return [f"cuda:{i * args.tp}" for i in range(args.stages)]
     return ["cuda:0"] * args.stages
+
+
+def _stage_flags(args: argparse.Namespace, device: str, stages_on_device: int) -> list[str]:
+    """The flags every stage gets from `serve`: the same step capacity as the router's
+    (--max-num-batched-tokens, --max-num-seqs), model implementation, pool and dtype; on a
+    GPU, its share of the card's memory."""
+    flags = ["--device", device, "--num-stages", str(args.stages), "--tp", str(args.tp),
+             "--dtype", args.dtype,
+             "--model-impl", args.model_impl,
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-num-seqs", str(args.max_num_seqs)]
+    if args.num_blocks:
+        flags += ["--num-blocks", str(args.num_blocks)]
+    if args.kv_cache_gb:
+        flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
+    if device.startswith("cuda"):  # stages sharing a GPU split its memory
+        flags += ["--gpu-memory-utilization", f"{0.9 / stages_on_device:.3f}"]
+    return flags
 
 
 def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
@@ -73,20 +95,9 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
     for i, device in enumerate(devices):
         port = free_port()
         stage_addresses.append(f"127.0.0.1:{port}")
-        argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--num-stages",
-                str(args.stages), "--tp", str(args.tp), "--device", device, "--dtype",
-                args.dtype, "--port", str(port), "--ready-file", str(workdir / f"stage{i}")]
-        if args.num_blocks:
-            argv += ["--num-blocks", str(args.num_blocks)]
-        if args.kv_cache_gb:
-            argv += ["--kv-cache-gb", str(args.kv_cache_gb)]
-        if args.fake_compute:
-            argv.append("--fake-compute")
-        if args.enforce_eager:
-            argv.append("--enforce-eager")
-        if device.startswith("cuda"):  # stages sharing a GPU split its memory
-            share = 0.9 / devices.count(device)
-            argv += ["--gpu-memory-utilization", f"{share:.3f}"]
+        argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--port", str(port),
+                "--ready-file", str(workdir / f"stage{i}"),
+                *_stage_flags(args, device, devices.count(device))]
         children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True))
     router = [*py, "router", "--model", model, "--stages", ",".join(stage_addresses),
               "--host", args.host, "--port", str(args.port), "--ready-file",

@@ -231,6 +231,43 @@ def decode_table(
     return tuple(headers)
 
 
+def encode_message(step_id: int, tensors: Sequence[torch.Tensor],
+                   max_message_bytes: int) -> bytes:
+    """One whole message (header + payload) in one buffer, for channels that move bytes
+    rather than streams (the TP group's plan fan-out).
+
+    Raises:
+        ValueError: as `wire_tensor` and `encode_header`.
+    """
+    wire = [wire_tensor(t) for t in tensors]
+    header = encode_header(step_id, wire, max_message_bytes)
+    return b"".join([header, *(byte_view(t) for t in wire)])
+
+
+def decode_message(buf: bytes, max_message_bytes: int) -> tuple[int, list[torch.Tensor]]:
+    """(step id, tensors) of a buffer `encode_message` wrote; the tensors own their memory.
+
+    Raises:
+        ProtocolError: a bad header (as `decode_prefix`, `decode_table`) or a payload whose
+            length is not what the table says.
+    """
+    if len(buf) < PREFIX.size:
+        raise ProtocolError(f"message of {len(buf)} bytes is shorter than its prefix")
+    prefix = decode_prefix(buf[:PREFIX.size])
+    offset = PREFIX.size + prefix.table_bytes
+    headers = decode_table(buf[PREFIX.size:offset], prefix.count, max_message_bytes)
+    if offset + sum(h.nbytes for h in headers) != len(buf):
+        raise ProtocolError(f"message of {len(buf)} bytes, its header describes "
+                            f"{offset + sum(h.nbytes for h in headers)}")
+    tensors = []
+    for h in headers:
+        t = torch.empty(h.shape, dtype=h.dtype)
+        byte_view(t)[:] = buf[offset:offset + h.nbytes]
+        offset += h.nbytes
+        tensors.append(t)
+    return prefix.step_id, tensors
+
+
 def encode_hello(token: bytes) -> bytes:
     """The connector's handshake: hello struct followed by the token."""
     return HELLO.pack(HELLO_MAGIC, WIRE_VERSION, 0, len(token)) + token

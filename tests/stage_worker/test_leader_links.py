@@ -8,9 +8,10 @@ import time
 import pytest
 
 from foundation.ports import free_port
-from stage_worker.build import build_executor
+from stage_worker.build import build_stage_rank
 from stage_worker.config import StageConfig
-from stage_worker.leader import DataPlaneAddress, StageLeader
+from stage_worker.leader import StageLeader
+from stage_worker.links import DataPlaneAddress
 from stage_worker.parallel import TPGroup
 from tests.default_model import default_model_dir
 
@@ -35,9 +36,8 @@ def test_bind_and_advertise_hosts(address: DataPlaneAddress, router_host: str,
 
 def _leader(stage_index: int, dataplane: DataPlaneAddress | None = None) -> StageLeader:
     cfg = StageConfig(default_model_dir(), stage_index=stage_index, num_stages=2,
-                      fake_compute=True)
-    executor, _ = build_executor(cfg, TPGroup())
-    return StageLeader(executor, TPGroup(), step_timeout_s=5.0,
+                      model_impl="null")
+    return StageLeader(build_stage_rank(cfg, TPGroup()), step_timeout_s=5.0,
                        dataplane=dataplane or DataPlaneAddress())
 
 

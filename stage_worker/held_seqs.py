@@ -1,0 +1,107 @@
+"""The sequences a stage holds between plans, keyed by sequence id.
+
+Every TP rank of a stage applies the same plans, so they hold the same sequences. Only the
+first stage (its input ids) and the last (penalties and seeded draws read the prompt and the
+outputs) keep token ids; a middle stage keeps block tables and counts only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from foundation.sampling_params import SamplingParams
+from stage_worker.plan import StagePlan
+from stage_worker.step_input import SeqChunk
+
+
+@dataclass
+class HeldSeq:
+    """One sequence's state on this stage (not the router's sequence: only what a stage
+    needs to compute and sample its next steps)."""
+
+    seq_id: int
+    block_table: list[int]
+    token_ids: list[int]  # known tokens (first and last stage); always empty elsewhere
+    prompt_len: int
+    num_outputs: int  # tokens generated so far: the index of the next sampled token
+    sampling: SamplingParams | None  # last stage only
+    output_ids: list[int] = field(default_factory=list)  # outputs (last stage only)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.prompt_len]
+
+
+class HeldSeqs:
+    """Applies plans: frees, new sequences and diffs, in that order.
+
+    Mutates its table of sequences; `block_refs` counts each block's users so KV usage is
+    known in O(1). `keep_tokens` False (a middle stage) stores no token ids whatever the
+    plan carries.
+    """
+
+    def __init__(self, keep_tokens: bool = True) -> None:
+        self.keep_tokens = keep_tokens
+        self.seqs: dict[int, HeldSeq] = {}
+        self.block_refs: Counter[int] = Counter()
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return len(self.block_refs)
+
+    def apply(self, plan: StagePlan) -> tuple[list[SeqChunk], list[int]]:
+        """Update the held sequences for `plan`, which `plan_check.check_plan` accepted.
+
+        Returns the step's chunks (batch order) and, where tokens are kept, the step's
+        input ids (the first stage's inputs; ignored elsewhere).
+        """
+        for seq_id in plan.free_seq_ids:
+            self.free(seq_id)
+        chunks: list[SeqChunk] = []
+        input_ids: list[int] = []
+        keep = self.keep_tokens
+        for new in plan.new_seqs:
+            tokens = list(new.token_ids) if keep else []
+            outputs = tokens[new.prompt_len:]
+            state = HeldSeq(new.seq_id, list(new.block_ids), tokens, new.prompt_len,
+                            max(0, len(new.token_ids) - new.prompt_len),
+                            new.sampling if keep else None, outputs)
+            self.seqs[new.seq_id] = state
+            self.block_refs.update(new.block_ids)
+            chunks.append(SeqChunk(new.seq_id, new.num_computed, new.num_new,
+                                   tuple(state.block_table), new.sample))
+            input_ids += tokens[new.num_computed:new.num_computed + new.num_new]
+        for cached in plan.cached_seqs:
+            state = self.seqs[cached.seq_id]
+            state.block_table += cached.new_block_ids
+            self.block_refs.update(cached.new_block_ids)
+            if keep:
+                state.token_ids += cached.append_token_ids
+            chunks.append(SeqChunk(cached.seq_id, cached.num_computed, cached.num_new,
+                                   tuple(state.block_table), cached.sample))
+            input_ids += state.token_ids[cached.num_computed:cached.num_computed + cached.num_new]
+        return chunks, input_ids
+
+    def record_sampled(self, seq_id: int, token_id: int) -> None:
+        """The last stage sampled `token_id` for `seq_id` (for penalties and seeds)."""
+        state = self.seqs[seq_id]
+        state.output_ids.append(token_id)
+        state.num_outputs += 1
+
+    def free(self, seq_id: int) -> None:
+        """Forget a sequence (unknown ids are ignored: frees are idempotent)."""
+        state = self.seqs.pop(seq_id, None)
+        if state is None:
+            return
+        self.block_refs.subtract(state.block_table)
+        for block in set(state.block_table):
+            if self.block_refs[block] <= 0:
+                del self.block_refs[block]
+
+    def clear(self) -> int:
+        """Forget every sequence; returns how many there were."""
+        dropped = len(self.seqs)
+        self.seqs.clear()
+        self.block_refs.clear()
+        return dropped

@@ -1,0 +1,55 @@
+"""A runner that does no model compute: the control plane alone (benchmark W6).
+
+No weights are loaded and no KV pool exists. Activations have the right shape and dtype
+(zeros out of the first stage, passed through by the others), and the last stage "samples"
+token (seq_id + tokens already output) mod vocab_size for every sampling sequence, so a
+client can check which step produced which token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from stage_worker.held_seqs import HeldSeq
+from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
+from stage_worker.plan import SampledToken
+from stage_worker.step_input import SeqChunk
+
+# Pool size a null stage announces when none is configured: blocks cost it nothing.
+NULL_NUM_BLOCKS = 1 << 16
+
+
+class NullRunner(ModelRunner):
+    """`ModelRunner` without a model; `capacity.num_blocks` is whatever it was given."""
+
+    impl = "null"
+
+    def __init__(self, shape: StageShape, capacity: StageCapacity) -> None:
+        self._shape = shape
+        self._capacity = capacity
+
+    @property
+    def shape(self) -> StageShape:
+        return self._shape
+
+    @property
+    def capacity(self) -> StageCapacity:
+        return self._capacity
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Nothing to copy: there is no KV."""
+
+    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
+        """Zeros [T, H] (first stage), `inputs` (middle), or [S, 0] scores (last stage)."""
+        layers = self._shape.layers
+        if layers.is_last:
+            return torch.empty(sum(c.sample for c in chunks), 0)
+        if layers.is_first:
+            return torch.zeros(len(inputs), self._shape.hidden_size, dtype=self._shape.dtype)
+        return inputs
+
+    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> list[SampledToken]:
+        vocab = self._shape.vocab_size
+        return [SampledToken(s.seq_id, (s.seq_id + s.num_outputs) % vocab) for s in seqs]

@@ -1,0 +1,112 @@
+"""A plan is checked against the stage's limits and held sequences before any rank sees it.
+
+Nothing here touches torch: a plan that would index past the KV pool, overflow the
+activations the stage sized for, or contradict what the stage holds is refused with a
+`PlanError` that names the step, the sequence and the limit, never as an exception deep in
+the model or a device-side assert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from stage_worker.held_seqs import HeldSeq
+from stage_worker.plan import PlanError, StagePlan
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What one step of this stage may ask for (the values Describe reports).
+
+    max_num_batched_tokens: tokens computed in one step (the profiled activation peak).
+    max_num_seqs: sequences computed in one step.
+    num_blocks: KV block ids are in [0, num_blocks).
+    block_size: tokens per KV block.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    num_blocks: int
+    block_size: int
+
+
+def check_plan(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
+               needs_tokens: bool) -> None:
+    """Refuse `plan` unless the stage can run it as given. Reads, never mutates.
+
+    Args:
+        plan: the step, before its frees are applied.
+        held: the sequences the stage holds now.
+        limits: the stage's step limits.
+        needs_tokens: the stage reads its inputs from token ids (the first stage), so every
+            computed token must be known.
+    Raises:
+        PlanError: too many tokens or sequences, a block id outside the pool, a block table
+            too short for its tokens, an unknown or duplicated sequence, a chunk computing
+            nothing, or (first stage) input tokens the stage does not know.
+    """
+    step = plan.step_id
+    if plan.num_tokens > limits.max_num_batched_tokens:
+        raise PlanError(f"step {step} computes {plan.num_tokens} tokens, more than this "
+                        f"stage's max_num_batched_tokens ({limits.max_num_batched_tokens})")
+    if plan.num_seqs > limits.max_num_seqs:
+        raise PlanError(f"step {step} computes {plan.num_seqs} sequences, more than this "
+                        f"stage's max_num_seqs ({limits.max_num_seqs})")
+    _check_block_ids(step, "block copies", [b for pair in plan.block_copies for b in pair],
+                     limits.num_blocks)
+    freed = set(plan.free_seq_ids)
+    seen: set[int] = set()
+    for new in plan.new_seqs:
+        where = _sequence(step, new.seq_id, seen)
+        if new.seq_id in held and new.seq_id not in freed:
+            raise PlanError(f"{where} is sent as new but already held")
+        _check_block_ids(step, where, new.block_ids, limits.num_blocks)
+        _check_chunk(where, new.num_computed, new.num_new, len(new.block_ids), limits)
+        if needs_tokens:
+            _check_tokens(where, len(new.token_ids), new.num_computed + new.num_new)
+    for cached in plan.cached_seqs:
+        where = _sequence(step, cached.seq_id, seen)
+        state = None if cached.seq_id in freed else held.get(cached.seq_id)
+        if state is None:
+            raise PlanError(f"{where} is not held by this stage")
+        _check_block_ids(step, where, cached.new_block_ids, limits.num_blocks)
+        _check_chunk(where, cached.num_computed, cached.num_new,
+                     len(state.block_table) + len(cached.new_block_ids), limits)
+        if needs_tokens:
+            _check_tokens(where, len(state.token_ids) + len(cached.append_token_ids),
+                          cached.num_computed + cached.num_new)
+
+
+def _sequence(step: int, seq_id: int, seen: set[int]) -> str:
+    """"step S, sequence N" for messages; refuses a sequence listed twice in one plan."""
+    where = f"step {step}, sequence {seq_id}"
+    if seq_id in seen:
+        raise PlanError(f"{where} is listed twice")
+    seen.add(seq_id)
+    return where
+
+
+def _check_block_ids(step: int, where: str, ids: Iterable[int], num_blocks: int) -> None:
+    ids = tuple(ids)
+    if ids and (min(ids) < 0 or max(ids) >= num_blocks):
+        bad = next(b for b in ids if not 0 <= b < num_blocks)
+        where = where if where.startswith("step") else f"step {step}, {where}"
+        raise PlanError(f"{where}: block id {bad} is outside this stage's KV pool "
+                        f"[0, {num_blocks}) (num_blocks {num_blocks})")
+
+
+def _check_chunk(where: str, num_computed: int, num_new: int, num_blocks: int,
+                 limits: StepLimits) -> None:
+    if num_new < 1 or num_computed < 0:
+        raise PlanError(f"{where} computes {num_new} tokens after {num_computed}")
+    end = num_computed + num_new
+    if num_blocks * limits.block_size < end:
+        raise PlanError(f"{where}: {num_blocks} blocks cannot hold {end} tokens "
+                        f"(block size {limits.block_size})")
+
+
+def _check_tokens(where: str, known: int, needed: int) -> None:
+    if known < needed:
+        raise PlanError(f"{where}: the first stage knows {known} tokens, the step computes "
+                        f"up to token {needed}")

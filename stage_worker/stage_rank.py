@@ -1,0 +1,95 @@
+"""One TP rank's part of a stage, and the one step routine every rank runs.
+
+The leader (TP rank 0, `leader.py`) checks a plan, receives the step's activations from
+upstream, fans the plan out to the other ranks (`tp_fanout.py`), then calls `StageRank.step`;
+ranks 1..T-1 (`tp_rank.py`) call the same `step` with each plan they receive. Only rank 0
+then sends the output downstream or samples (`StageRank.sample`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from stage_worker.held_seqs import HeldSeqs
+from stage_worker.model_runner import ModelRunner
+from stage_worker.parallel import TPGroup
+from stage_worker.plan import SampledToken, StagePlan
+from stage_worker.plan_check import StepLimits, check_plan
+from stage_worker.step_input import SeqChunk
+
+
+class StageRank:
+    """The sequences this rank holds, its model runner and its TP group.
+
+    `num_blocks`: the stage's pool size, agreed by its ranks (the smallest any rank fits);
+    block ids in plans are checked against it.
+    """
+
+    def __init__(self, runner: ModelRunner, tp: TPGroup, num_blocks: int) -> None:
+        self.runner = runner
+        self.tp = tp
+        self.shape = runner.shape
+        layers = self.shape.layers
+        self.is_first, self.is_last = layers.is_first, layers.is_last
+        self.held = HeldSeqs(keep_tokens=self.is_first or self.is_last)
+        cap = runner.capacity
+        self.limits = StepLimits(cap.max_num_batched_tokens, cap.max_num_seqs, num_blocks,
+                                 cap.block_size)
+
+    def check(self, plan: StagePlan) -> None:
+        """Raise PlanError unless the stage can run `plan` (see `plan_check.check_plan`).
+        The leader calls it before any rank sees the plan."""
+        check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first)
+
+    def step(self, plan: StagePlan,
+             upstream: torch.Tensor | None) -> tuple[list[SeqChunk], torch.Tensor | None]:
+        """Apply a checked plan and compute it: the same call on every TP rank.
+
+        Frees, new sequences and diffs are applied, KV blocks copied, then the runner
+        executes. `upstream`: on rank 0 of a non-first stage, the step's activations
+        [T, H] received from the upstream stage; None elsewhere (the first stage embeds its
+        token ids; other ranks get rank 0's activations through the TP group here).
+        Returns the step's chunks (batch order) and the runner's output (hidden states
+        [T, H], or the last stage's scores), None when the plan computes nothing.
+        """
+        chunks, ids = self.held.apply(plan)
+        if plan.block_copies:
+            self.runner.copy_blocks(plan.block_copies)
+        if not chunks:
+            return chunks, None
+        if self.is_first:
+            inputs = torch.tensor(ids, dtype=torch.long)
+        else:
+            inputs = self._share_activations(plan.num_tokens, upstream)
+        return chunks, self.runner.execute(chunks, inputs)
+
+    def _share_activations(self, num_tokens: int, upstream: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's `upstream` [T, H] on every rank (no collective at TP size 1)."""
+        if self.tp.size == 1:
+            assert upstream is not None, "rank 0 of a non-first stage needs its activations"
+            return upstream
+        shape = self.shape
+        if self.tp.rank == 0:
+            assert upstream is not None, "rank 0 of a non-first stage needs its activations"
+            buf = upstream.to(shape.device)
+        else:
+            buf = torch.empty(num_tokens, shape.hidden_size, dtype=shape.dtype,
+                              device=shape.device)
+        return self.tp.broadcast(buf)
+
+    def sample(self, chunks: Sequence[SeqChunk], scores: torch.Tensor) -> list[SampledToken]:
+        """Last stage, rank 0: pick a token for every sampling chunk (chunk order) from the
+        scores `step` returned, and record it on its sequence."""
+        seqs = [self.held.seqs[c.seq_id] for c in chunks if c.sample]
+        if not seqs:
+            return []
+        tokens = self.runner.sample(seqs, scores)
+        for t in tokens:
+            self.held.record_sampled(t.seq_id, t.token_id)
+        return tokens
+
+    def reset(self) -> int:
+        """Forget every sequence (the Run stream ended); returns how many there were."""
+        return self.held.clear()

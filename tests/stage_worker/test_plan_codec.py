@@ -1,0 +1,106 @@
+"""The TP fan-out's plan codec: every plan comes back equal, through the data plane's framing,
+and fan-out messages keep their tags (an empty plan is never a reset)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from foundation.sampling_params import SamplingParams
+from stage_worker import plan_codec, tp_fanout
+from stage_worker.dataplane.wire import decode_message, encode_message
+from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan
+from stage_worker.plan_codec import PlanCodecError
+from stage_worker.tp_fanout import FanoutKind
+
+EMPTY = StagePlan(0, (), (), ())
+
+FULL = StagePlan(
+    step_id=2**40 + 3,
+    new_seqs=(
+        StageNewSeq(7, (1, 2, 3, 4, 5), 3, (9, 0, 4), 0, 5, True,
+                    SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
+                                   seed=-(2**63), repetition_penalty=1.1,
+                                   presence_penalty=-0.3, frequency_penalty=1e-9,
+                                   logprobs=5)),
+        StageNewSeq(2**62, (), 0, (11,), 16, 1, False, None),  # a middle stage's view
+        StageNewSeq(8, (42,), 1, (), 0, 1, True, SamplingParams(seed=2**64 - 1, logprobs=0)),
+        StageNewSeq(9, (3, 3), 2, (1, 2), 1, 1, True, SamplingParams(seed=2**63)),
+        StageNewSeq(10, (5,), 1, (6,), 0, 1, True, SamplingParams(temperature=0.0, seed=0)),
+    ),
+    cached_seqs=(
+        StageCachedSeq(3, (), 17, 1, (), True),
+        StageCachedSeq(4, (12, 13), 30, 8, (99,), False),
+        StageCachedSeq(5, (14,), 0, 2, (1, 2, 3), True),
+    ),
+    free_seq_ids=(1, 2**50, 0),
+    block_copies=((3, 4), (0, 65535)),
+)
+
+ONLY_FREES = StagePlan(5, (), (), (8, 9))
+ONLY_COPIES = StagePlan(6, (), (), (), ((1, 2),))
+
+
+@pytest.mark.parametrize("plan", [EMPTY, FULL, ONLY_FREES, ONLY_COPIES],
+                         ids=["empty", "full", "frees", "copies"])
+def test_round_trip_through_the_wire_framing(plan: StagePlan) -> None:
+    tensors = plan_codec.encode(plan)
+    assert len(tensors) == plan_codec.NUM_TENSORS
+    assert all(t.dtype == torch.int64 for t in tensors)
+    assert plan_codec.decode(tensors) == plan
+    step_id, received = decode_message(encode_message(plan.step_id, tensors, 1 << 30), 1 << 30)
+    assert step_id == plan.step_id
+    assert plan_codec.decode(received) == plan
+
+
+def test_sampling_params_survive_bit_exact() -> None:
+    got = plan_codec.decode(plan_codec.encode(FULL))
+    for sent, back in zip(FULL.new_seqs, got.new_seqs, strict=True):
+        assert back.sampling == sent.sampling  # floats compared exactly, seeds as integers
+        if sent.sampling is not None:
+            assert back.sampling is not None and back.sampling.seed == sent.sampling.seed
+
+
+def test_decode_refuses_what_is_not_a_plan() -> None:
+    tensors = plan_codec.encode(FULL)
+    with pytest.raises(PlanCodecError, match="9 int64 tensors"):
+        plan_codec.decode(tensors[:-1])
+    bad_version = [torch.tensor([99, 1]), *tensors[1:]]
+    with pytest.raises(PlanCodecError, match="this end speaks 1"):
+        plan_codec.decode(bad_version)
+    short_tokens = [*tensors[:2], tensors[2][:-1], *tensors[3:]]
+    with pytest.raises(PlanCodecError, match="ids for runs"):
+        plan_codec.decode(short_tokens)
+
+
+class _Channel:
+    """Stands in for a two-rank TPGroup: what rank 0 broadcasts, rank 1 receives."""
+
+    size = 2
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        if data is not None:
+            self.sent.append(data)
+            return data
+        return self.sent.pop(0)
+
+
+def test_fanout_keeps_tags_and_an_empty_plan_is_a_plan() -> None:
+    channel: Any = _Channel()
+    tp_fanout.send_plan(channel, EMPTY)
+    tp_fanout.send_reset(channel)
+    tp_fanout.send_plan(channel, FULL)
+    tp_fanout.send_shutdown(channel)
+    assert [m[:1] for m in channel.sent] == [b"P", b"R", b"P", b"S"]
+    got = [tp_fanout.receive(channel) for _ in range(4)]
+    assert [m.kind for m in got] == [FanoutKind.PLAN, FanoutKind.RESET, FanoutKind.PLAN,
+                                     FanoutKind.SHUTDOWN]
+    assert got[0].plan == EMPTY and got[2].plan == FULL
+    channel.sent.append(b"X")
+    with pytest.raises(ValueError, match="unknown TP fan-out message tag"):
+        tp_fanout.receive(channel)

@@ -1,0 +1,171 @@
+"""The StageService servicer in-process: a real grpc.aio server on 127.0.0.1 in the test's
+event loop, over a single-stage pipeline built from a tiny random checkpoint (and one with
+the null runner). Tokens are compared with the offline pipeline's greedy ones."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from protos.stagemesh.stage.v1 import stage_pb2_grpc
+from stage_worker.config import StageConfig
+from stage_worker.main import stage_servicer
+from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
+from stage_worker.parallel import TPGroup
+from tests.stage_worker.tiny_checkpoints import write_tiny_checkpoint
+
+BLOCK, BLOCKS, MAX_TOKENS, MAX_SEQS, MAX_NEW = 8, 64, 48, 4, 8
+GREEDY = pb.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama_gqa_untied")
+    write_tiny_checkpoint("llama_gqa_untied", path)
+    return path
+
+
+@asynccontextmanager
+async def serving(cfg: StageConfig) -> AsyncIterator[stage_pb2_grpc.StageServiceStub]:
+    """A stage's servicer on a fresh port; yields a stub reaching it."""
+    servicer = stage_servicer(cfg, TPGroup())
+    server = grpc.aio.server()
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield stage_pb2_grpc.StageServiceStub(channel)
+    finally:
+        await server.stop(grace=None)
+        servicer.close()
+
+
+async def run_plans(stub: stage_pb2_grpc.StageServiceStub,
+                    plans: list[pb.StepPlan]) -> list[pb.StepResult]:
+    """Send `plans` on one Run stream, one at a time; results up to the stream's end."""
+    call = stub.Run()
+    results = []
+    for plan in plans:
+        await call.write(plan)
+        result = await call.read()
+        if result is grpc.aio.EOF:
+            break
+        results.append(result)
+        if result.error:
+            break
+    await call.done_writing()
+    while (rest := await call.read()) is not grpc.aio.EOF:
+        results.append(rest)
+    return results
+
+
+def prefill(seq_ids: list[int], prompts: list[list[int]],
+            tables: list[list[int]]) -> pb.StepPlan:
+    return pb.StepPlan(step_id=0, new_seqs=[
+        pb.NewSequence(seq_id=i, token_ids=p, prompt_len=len(p), block_ids=t, num_computed=0,
+                       num_new=len(p), sample=True, sampling=GREEDY)
+        for i, p, t in zip(seq_ids, prompts, tables, strict=True)])
+
+
+def test_describe_and_greedy_tokens_match_the_offline_pipeline(checkpoint: Path) -> None:
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (5, 19)]
+    want = greedy_generate(LocalPipeline(LocalPipelineConfig(checkpoint, 1, block_size=BLOCK,
+                                                             num_blocks=BLOCKS)),
+                           prompts, max_new_tokens=MAX_NEW)
+    tables = [[3, 9, 1, 60], [2, 8, 7, 63, 5]]
+    cfg = StageConfig(checkpoint, block_size=BLOCK, num_blocks=BLOCKS,
+                      max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS)
+
+    async def body() -> tuple[pb.DescribeResponse, list[list[int]], pb.DescribeResponse]:
+        async with serving(cfg) as stub:
+            info = await stub.Describe(pb.DescribeRequest())
+            plans = [prefill([10, 11], prompts, tables)]
+            got: list[list[int]] = [[], []]
+            call = stub.Run()
+            for step in range(MAX_NEW):
+                await call.write(plans[-1])
+                result = await call.read()
+                assert not result.error, result.error
+                assert [t.seq_id for t in result.tokens] == [10, 11]
+                for row, t in enumerate(result.tokens):
+                    got[row].append(t.token_id)
+                plans.append(pb.StepPlan(step_id=step + 1, cached_seqs=[
+                    pb.CachedSequence(seq_id=10 + row, num_computed=len(p) + step, num_new=1,
+                                      append_token_ids=[got[row][-1]], sample=True)
+                    for row, p in enumerate(prompts)]))
+            assert result.num_sequences == 2 and result.kv_blocks_used == 9
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            after = await stub.Describe(pb.DescribeRequest())  # the stream closed
+            return info, got, after
+
+    info, got, after = asyncio.run(body())
+    assert got == want
+    assert (info.max_num_batched_tokens, info.max_num_seqs, info.model_impl) == (
+        MAX_TOKENS, MAX_SEQS, "llama")
+    assert (info.num_kv_blocks, info.block_size, info.vocab_size, info.hidden_size) == (
+        BLOCKS, BLOCK, 160, 64)
+    assert (info.layer_start, info.layer_end, info.device, info.dtype) == (0, 4, "cpu",
+                                                                           "float32")
+    assert (after.num_sequences, after.kv_blocks_used) == (0, 0)
+
+
+@pytest.mark.parametrize(("plan", "limit"), [
+    (prefill([1, 2], [[5] * 30, [6] * 19], [[0, 1, 2, 3], [4, 5, 6]]),
+     r"49 tokens, more than this stage's max_num_batched_tokens \(48\)"),
+    (prefill(list(range(5)), [[1]] * 5, [[i] for i in range(5)]),
+     r"5 sequences, more than this stage's max_num_seqs \(4\)"),
+    (prefill([1], [[5] * 9], [[0, 64]]),
+     r"sequence 1: block id 64 is outside this stage's KV pool \[0, 64\)"),
+], ids=["tokens", "sequences", "block-id"])
+def test_a_plan_over_capacity_is_an_error_naming_the_limit(checkpoint: Path, plan: pb.StepPlan,
+                                                            limit: str) -> None:
+    cfg = StageConfig(checkpoint, block_size=BLOCK, num_blocks=BLOCKS,
+                      max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS)
+
+    async def body() -> tuple[list[pb.StepResult], pb.DescribeResponse]:
+        async with serving(cfg) as stub:
+            ok = prefill([20], [[4] * 8], [[10]])
+            results = await run_plans(stub, [ok, pb.StepPlan(step_id=1, new_seqs=plan.new_seqs)])
+            return results, await stub.Describe(pb.DescribeRequest())
+
+    results, after = asyncio.run(body())
+    assert [r.step_id for r in results] == [0, 1]
+    assert not results[0].error and len(results[0].tokens) == 1
+    assert results[1].error.startswith("stage 0: PlanError: step 1")
+    assert len(results[1].tokens) == 0
+    assert re.search(limit, results[1].error), results[1].error
+    assert after.num_sequences == 0  # the failed stream dropped what it held
+
+
+def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
+    cfg = StageConfig(checkpoint, model_impl="null", max_num_batched_tokens=4096)
+
+    async def body() -> tuple[pb.DescribeResponse, list[pb.StepResult]]:
+        async with serving(cfg) as stub:
+            info = await stub.Describe(pb.DescribeRequest())
+            plans = [
+                prefill([158, 3], [[1, 2, 3], [4] * 40], [[0], [1, 2, 3]]),
+                pb.StepPlan(step_id=1, cached_seqs=[
+                    pb.CachedSequence(seq_id=158, num_computed=3, num_new=1,
+                                      append_token_ids=[158], sample=True),
+                    pb.CachedSequence(seq_id=3, num_computed=40, num_new=1,
+                                      append_token_ids=[3], sample=True)]),
+            ]
+            return info, await run_plans(stub, plans)
+
+    info, results = asyncio.run(body())
+    assert (info.model_impl, info.num_kv_blocks) == ("null", 65536)
+    assert (info.max_num_batched_tokens, info.max_num_seqs) == (4096, 256)
+    assert [[(t.seq_id, t.token_id) for t in r.tokens] for r in results] == [
+        [(158, 158), (3, 3)], [(158, 159), (3, 4)]]
