@@ -3,6 +3,9 @@ and fan-out messages keep their tags (an empty plan is never a reset)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,3 +107,9 @@ def test_fanout_keeps_tags_and_an_empty_plan_is_a_plan() -> None:
     channel.sent.append(b"X")
     with pytest.raises(ValueError, match="unknown TP fan-out message tag"):
         tp_fanout.receive(channel)
+
+
+def test_tp_ranks_load_no_protos() -> None:
+    code = ("import sys, stage_worker.tp_rank\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('protos', 'grpc')]")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
