@@ -8,9 +8,10 @@ class KVCacheError(Exception):
 
 
 class IntegrityError(KVCacheError):
-    """``check_integrity()`` found the pool, the tables or the prefix cache inconsistent.
+    """``check_integrity()`` found the pool, the tables or the prefix cache inconsistent, or a
+    caller's bookkeeping (the scheduler's) disagreeing with the manager's answers.
 
-    Always a bug in kvcache or in a caller that mutated a table it does not own.
+    Always a bug.
     """
 
 

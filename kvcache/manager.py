@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Sequence
 
 from kvcache.block_pool import BlockPool
-from kvcache.block_table import BlockCopy, BlockTable, KVCacheUsage, PrefixHit
+from kvcache.block_table import BlockTable
 from kvcache.config import KVCacheConfig
 from kvcache.errors import IntegrityError, StalePrefixHitError
 from kvcache.free_queue import KVBlock
 from kvcache.hashing import BlockHashChain
+from kvcache.records import BlockAllocation, BlockCopy, KVCacheUsage, PrefixHit
 
 
 class KVCacheManager:
-    """Allocates, grows, forks and frees the block tables of sequences.
+    """Allocates, grows, forks and frees the block tables of sequences; the only owner of both.
 
     Logical only: it decides which block ids a sequence uses; each stage maps the ids into its
-    own physical pool. Methods that can run out of blocks return None and change nothing; a
-    caller error (unknown or duplicate sequence id, a bad token count) raises.
+    own physical pool. Callers name sequences by id, learn what a call changed from the
+    immutable ``BlockAllocation`` it returns, and ask the query methods for the rest. Methods
+    that can run out of blocks return None and change nothing; a caller error (unknown or
+    duplicate sequence id, a bad token count) raises.
 
     Prefix caching: a full block is registered under its chained hash once the caller says its
     tokens are final and scheduled (``cache_full_blocks``). A new sequence's leading full blocks
-    that hit count as computed. Blocks freed with a hash stay reusable until evicted.
+    that hit count as computed. Blocks freed with a hash stay reusable until evicted. The
+    caller owns each sequence's ``BlockHashChain`` and passes it in.
     """
 
     def __init__(self, config: KVCacheConfig) -> None:
@@ -39,17 +44,66 @@ class KVCacheManager:
         """Blocks an allocation can take now (free plus evictable cached free)."""
         return self._pool.num_available_blocks
 
-    def has_table(self, seq_id: int) -> bool:
-        """Whether ``seq_id`` holds a block table."""
-        return seq_id in self._tables
-
-    def get_table(self, seq_id: int) -> BlockTable:
-        """The block table of ``seq_id``. Raises KeyError if it has none."""
-        return self._tables[seq_id]
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding a block table."""
+        return len(self._tables)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` slots."""
         return -(-num_tokens // self.block_size)
+
+    # --- queries, keyed by sequence id; none mutates anything --------------------------------
+
+    def has_table(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` holds a block table."""
+        return seq_id in self._tables
+
+    def num_slots(self, seq_id: int) -> int:
+        """Token slots ``seq_id`` holds: its blocks times the block size.
+
+        Raises:
+            KeyError: ``seq_id`` has no table.
+        """
+        return len(self._tables[seq_id].blocks) * self.block_size
+
+    def block_ids(self, seq_id: int, start: int = 0) -> tuple[int, ...]:
+        """The ids of the blocks of ``seq_id`` from block index ``start`` on, in position order.
+
+        ``start=0`` gives the whole table (what a plan sends for a sequence the stages do not
+        know); ``start=n`` the blocks after the first ``n`` (a diff after ``n`` were sent).
+
+        Raises:
+            KeyError: ``seq_id`` has no table.
+        """
+        return self._tables[seq_id].block_ids_from(start)
+
+    def cache_threshold(self, seq_id: int) -> int:
+        """Tokens at which the next full block of ``seq_id`` can be registered in the cache.
+
+        ``cache_full_blocks(seq_id, chain, token_ids, n)`` registers (or finds registered) at
+        least one more block exactly when ``min(n, len(token_ids))`` reaches this count (the
+        slots hold it: a caller passes at most the tokens it computed), and does nothing
+        below it. It is ``(blocks already offered + 1) * block_size``, or ``sys.maxsize``
+        (no count reaches it) when prefix caching is off; only ``allocate``, ``fork`` and
+        ``cache_full_blocks`` change it.
+
+        Raises:
+            KeyError: ``seq_id`` has no table.
+        """
+        cached = self._tables[seq_id].cached_hashes
+        if not self.config.enable_prefix_caching:
+            return sys.maxsize
+        return (len(cached) + 1) * self.block_size
+
+    def block_ref_counts(self, seq_id: int) -> tuple[int, ...]:
+        """How many tables hold each block of ``seq_id``, in position order (1: private;
+        more: shared through prefix hits or forks). For tests, metrics and debugging.
+
+        Raises:
+            KeyError: ``seq_id`` has no table.
+        """
+        return tuple([block.ref_count for block in self._tables[seq_id].blocks])
 
     def find_cached_prefix(
         self, hash_chain: BlockHashChain, token_ids: Sequence[int], max_tokens: int
@@ -67,7 +121,7 @@ class KVCacheManager:
             The hit (possibly empty). Mutates only ``hash_chain``.
         """
         size = self.block_size
-        blocks: list[KVBlock] = []
+        block_ids: list[int] = []
         if self.config.enable_prefix_caching:
             hashes = hash_chain.hashes
             for index in range(max(0, max_tokens) // size):
@@ -78,45 +132,42 @@ class KVCacheManager:
                 block = self._pool.lookup(block_hash)
                 if block is None:
                     break
-                blocks.append(block)
+                block_ids.append(block.block_id)
         return PrefixHit(
-            blocks=tuple(blocks),
-            hashes=tuple(hash_chain.hashes[: len(blocks)]),
-            num_tokens=len(blocks) * size,
+            block_ids=tuple(block_ids),
+            hashes=tuple(hash_chain.hashes[: len(block_ids)]),
+            num_tokens=len(block_ids) * size,
             num_queried_tokens=len(token_ids),
         )
 
+    # --- mutations -----------------------------------------------------------------------
+
     def allocate(
-        self,
-        seq_id: int,
-        num_tokens: int,
-        hash_chain: BlockHashChain | None = None,
-        prefix: PrefixHit | None = None,
-    ) -> BlockTable | None:
+        self, seq_id: int, num_tokens: int, prefix: PrefixHit | None = None
+    ) -> BlockAllocation | None:
         """Create the block table of a new sequence with room for ``num_tokens`` slots.
 
         Args:
             seq_id: a sequence with no table.
             num_tokens: slots wanted, the prefix hit included.
-            hash_chain: the sequence's chain (kept by the table); a fresh one if None.
-            prefix: a hit from ``find_cached_prefix`` just before; its blocks come first.
+            prefix: a hit from ``find_cached_prefix`` just before; its blocks come first and
+                count as offered to the prefix cache already (see ``cache_threshold``).
 
         Returns:
-            The table, or None (nothing changed) when the pool lacks blocks.
+            The allocation (``new_block_ids`` is the whole table), or None (nothing changed)
+            when the pool lacks blocks.
 
         Raises:
-            ValueError: ``seq_id`` already has a table, ``num_tokens`` is below the hit, or a
-                hit comes without its chain.
+            ValueError: ``seq_id`` already has a table, or ``num_tokens`` is below the hit.
             StalePrefixHitError: a block of ``prefix`` was evicted since the lookup.
 
-        Mutates: the pool (references, free lists), the usage counters.
+        Mutates: the tables, the pool (references, free lists), the usage counters.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
-        hit = prefix.blocks if prefix is not None else ()
+        hit: list[KVBlock] = []
         if prefix is not None:
-            if hash_chain is None:
-                raise ValueError("a prefix hit needs the hash chain it was looked up with")
+            hit = [self._pool.blocks[block_id] for block_id in prefix.block_ids]
             if any(b.block_hash != h for b, h in zip(hit, prefix.hashes, strict=True)):
                 raise StalePrefixHitError(f"sequence {seq_id}: a prefix block was evicted")
             if num_tokens < prefix.num_tokens:
@@ -127,116 +178,140 @@ class KVCacheManager:
             return None
         self._pool.acquire(hit)
         blocks = [*hit, *self._pool.take(num_new)]
-        chain = hash_chain if hash_chain is not None else BlockHashChain(self.block_size)
-        table = BlockTable(seq_id, blocks, chain, self.block_size)
-        table.num_cached_blocks = len(hit)
+        table = BlockTable(seq_id, blocks, list(prefix.hashes) if prefix is not None else [])
         if prefix is not None:
             self._prefix_query_tokens += prefix.num_queried_tokens
             self._prefix_hit_tokens += prefix.num_tokens
         self._tables[seq_id] = table
-        return table
+        return BlockAllocation(table.block_ids_from(0), len(blocks) * self.block_size)
 
-    def append_slots(self, seq_id: int, num_tokens: int) -> tuple[int, ...] | None:
+    def append_slots(self, seq_id: int, num_tokens: int) -> BlockAllocation | None:
         """Grow the table of ``seq_id`` to at least ``num_tokens`` slots.
 
         Returns:
-            The ids of the blocks appended (empty if it already had room), or None (nothing
-            changed) when the pool lacks blocks.
+            The allocation (``new_block_ids`` empty if the table had room already), or None
+            (nothing changed) when the pool lacks blocks.
 
         Raises:
             KeyError: ``seq_id`` has no table.
 
         Mutates: the table and the pool.
         """
-        table = self._tables[seq_id]
-        if num_tokens <= table.num_slots:
-            return ()
-        num_new = -(-num_tokens // self.block_size) - len(table.blocks)
+        blocks = self._tables[seq_id].blocks
+        num_new = -(-num_tokens // self.block_size) - len(blocks)
+        if num_new <= 0:
+            return BlockAllocation((), len(blocks) * self.block_size)
         if num_new > self._pool.num_available_blocks:
             return None
         new_blocks = self._pool.take(num_new)
-        table.blocks += new_blocks
-        table.num_slots = len(table.blocks) * self.block_size
-        return tuple([block.block_id for block in new_blocks])
+        blocks += new_blocks
+        new_ids = tuple([block.block_id for block in new_blocks])
+        return BlockAllocation(new_ids, len(blocks) * self.block_size)
 
-    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> int:
+    def cache_full_blocks(
+        self, seq_id: int, hash_chain: BlockHashChain, token_ids: Sequence[int], num_tokens: int
+    ) -> int:
         """Register the full blocks within the first ``num_tokens`` tokens in the prefix cache.
 
         Call once the tokens are final and their KV is computed or scheduled in a step that
-        was already sent (stages run steps in order, so any later reader sees the KV).
+        was already sent (stages run steps in order, so any later reader sees the KV). Does
+        nothing below ``cache_threshold(seq_id)``.
 
         Args:
             seq_id: a sequence with a table.
+            hash_chain: its chain (the one its prefix was looked up with, or a fork's copy of
+                its parent's); missing hashes are computed and kept.
             token_ids: its token history (only the first ``num_tokens`` are hashed).
             num_tokens: tokens known and scheduled.
 
         Returns:
-            How many blocks were newly registered. Mutates the table, its chain and the index.
+            How many blocks were newly registered (a block whose hash another block holds
+            already is passed over, not registered).
+
+        Raises:
+            KeyError: ``seq_id`` has no table.
+            ValueError: ``hash_chain`` disagrees with the hashes of the blocks offered before.
+
+        Mutates: the table (``cache_threshold`` moves past the last full block), ``hash_chain``
+        and the prefix-cache index.
         """
         table = self._tables[seq_id]
-        num_full = min(num_tokens, len(token_ids), table.num_slots) // self.block_size
-        start = table.num_cached_blocks
+        cached = table.cached_hashes
+        start = len(cached)
+        num_full = min(num_tokens, len(token_ids), len(table.blocks) * self.block_size)
+        num_full //= self.block_size
         if num_full <= start or not self.config.enable_prefix_caching:
             return 0
-        chain = table.hash_chain
-        if len(chain.hashes) < num_full:
-            chain.extend(token_ids, num_full * self.block_size)
-        hashes, blocks, register = chain.hashes, table.blocks, self._pool.register
+        hashes = hash_chain.hashes
+        if start and (len(hashes) < start or hashes[start - 1] != cached[-1]):
+            raise ValueError(f"sequence {seq_id}: the hash chain is not the sequence's own")
+        if len(hashes) < num_full:
+            hash_chain.extend(token_ids, num_full * self.block_size)
+        blocks, register = table.blocks, self._pool.register
         registered = 0
         for index in range(start, num_full):
             registered += register(blocks[index], hashes[index])
-        table.num_cached_blocks = num_full
+        cached += hashes[start:num_full]
         return registered
 
-    def fork(
-        self, parent_id: int, child_id: int, num_tokens: int
-    ) -> tuple[BlockTable, BlockCopy | None] | None:
+    def fork(self, parent_id: int, child_id: int, num_tokens: int) -> BlockAllocation | None:
         """Give ``child_id`` the KV of the first ``num_tokens`` tokens of ``parent_id``.
 
         Full blocks are shared (one more reference each; full blocks are never written again,
         so sharing them is copy-on-write with no copy). A partly filled last block is copied
-        into a fresh block, because parent and child will write different tokens into it.
+        into a fresh block, because parent and child will write different tokens into it. The
+        child's hash chain is the caller's: a copy of the parent's.
 
         Returns:
-            The child's table and the copy the stages must make (None if ``num_tokens`` is a
-            multiple of the block size), or None (nothing changed) if no block is free.
+            The child's allocation (``new_block_ids`` is its whole table; ``block_copy`` the
+            copy the stages must make, None if ``num_tokens`` is a multiple of the block
+            size), or None (nothing changed) if no block is free for the copy.
 
         Raises:
             KeyError: the parent has no table. ValueError: the child has one, or the parent
                 has fewer than ``num_tokens`` slots.
+
+        Mutates: the tables and the pool.
         """
         parent = self._tables[parent_id]
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id} already has a block table")
-        if num_tokens > parent.num_slots:
-            raise ValueError(f"parent {parent_id} holds {parent.num_slots} < {num_tokens} slots")
+        if num_tokens > len(parent.blocks) * self.block_size:
+            raise ValueError(f"parent {parent_id} holds {self.num_slots(parent_id)} < "
+                             f"{num_tokens} slots")
         num_full, partial = divmod(num_tokens, self.block_size)
         if partial and self._pool.num_available_blocks == 0:
             return None
-        shared = parent.blocks[:num_full]
-        self._pool.acquire(shared)
-        blocks = list(shared)
+        blocks = parent.blocks[:num_full]
+        self._pool.acquire(blocks)
         copy = None
         if partial:
             (fresh,) = self._pool.take(1)
             copy = BlockCopy(parent.blocks[num_full].block_id, fresh.block_id)
             blocks.append(fresh)
-        table = BlockTable(child_id, blocks, parent.hash_chain.copy(), self.block_size)
-        table.num_cached_blocks = min(parent.num_cached_blocks, num_full)
+        table = BlockTable(child_id, blocks, parent.cached_hashes[:num_full])
         self._tables[child_id] = table
-        return table, copy
+        return BlockAllocation(table.block_ids_from(0), len(blocks) * self.block_size, copy)
 
     def free(self, seq_id: int) -> None:
         """Drop the table of ``seq_id``, releasing its blocks last-first.
 
         Releasing the tail first puts it ahead of the prefix in the eviction queue: a shared
-        prompt outlives the sequence-specific tail. Raises KeyError if it has no table.
+        prompt outlives the sequence-specific tail.
+
+        Raises:
+            KeyError: ``seq_id`` has no table.
+
+        Mutates: the tables and the pool.
         """
         table = self._tables.pop(seq_id)
         self._pool.release(reversed(table.blocks))
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash (a stage lost its KV). Returns how many were dropped."""
+        """Forget every cached hash (a stage lost its KV). Returns how many were dropped.
+
+        Mutates: the pool's prefix-cache index and every hashed block.
+        """
         return self._pool.reset_prefix_cache()
 
     def usage(self) -> KVCacheUsage:
@@ -262,19 +337,18 @@ class KVCacheManager:
         """
         refs: Counter[int] = Counter()
         for seq_id, table in self._tables.items():
-            self._check_table(seq_id, table)
+            _check_table(seq_id, table)
             refs.update(block.block_id for block in table.blocks)
         self._pool.check_integrity(refs)
 
-    def _check_table(self, seq_id: int, table: BlockTable) -> None:
-        ids = table.block_ids
-        if table.seq_id != seq_id or len(set(ids)) != len(ids):
-            raise IntegrityError(f"table of {seq_id} is malformed: {table}")
-        if table.num_slots != len(ids) * self.block_size:
-            raise IntegrityError(f"table of {seq_id}: num_slots {table.num_slots} is stale")
-        if table.num_cached_blocks > len(ids):
-            raise IntegrityError(f"table of {seq_id}: more cached blocks than blocks")
-        chain = table.hash_chain.hashes
-        for index, block in enumerate(table.blocks[: len(chain)]):
-            if block.block_hash is not None and block.block_hash != chain[index]:
-                raise IntegrityError(f"table of {seq_id}: block {index} holds other tokens' KV")
+
+def _check_table(seq_id: int, table: BlockTable) -> None:
+    ids = table.block_ids_from(0)
+    if table.seq_id != seq_id or len(set(ids)) != len(ids):
+        raise IntegrityError(f"table of {seq_id} is malformed: {table}")
+    if table.num_cached_blocks > len(ids):
+        raise IntegrityError(f"table of {seq_id}: more cached blocks than blocks")
+    for index, block_hash in enumerate(table.cached_hashes):
+        held = table.blocks[index].block_hash
+        if held is not None and held != block_hash:
+            raise IntegrityError(f"table of {seq_id}: block {index} holds other tokens' KV")

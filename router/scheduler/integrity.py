@@ -6,22 +6,27 @@ from collections import Counter
 from itertools import pairwise
 
 from kvcache import IntegrityError
-from router.scheduler.sequence import SeqState, Sequence
+from router.scheduler.sequence import NEVER, SeqState, Sequence
 from router.scheduler.state import SchedulerState
 
 
 def check_scheduler_integrity(state: SchedulerState) -> None:
-    """Verify the KV pool, then that sequences, queues, tables and outstanding steps agree.
+    """Verify the KV pool, then that sequences, queues, the manager's block tables and the
+    outstanding steps agree: every block count the scheduler keeps is checked against the
+    ``KVCacheManager``'s answer for that sequence.
 
     O(sequences + blocks + outstanding entries). Raises IntegrityError on the first problem.
     """
-    state.kv.check_integrity()
+    kv = state.kv
+    kv.check_integrity()
     _check_membership(state)
+    _require(kv.num_seqs == len(state.running),
+             f"{kv.num_seqs} sequences hold blocks, {len(state.running)} run")
     for seq in state.running:
         _check_running(state, seq)
     for seq in state.waiting.live():
-        _require(seq.table is None and not state.kv.has_table(seq.seq_id),
-                 f"waiting {seq} holds blocks")
+        _require(seq.num_slots == 0 and seq.next_cache_at == NEVER
+                 and not kv.has_table(seq.seq_id), f"waiting {seq} holds blocks")
         _require(seq.num_computed == seq.num_pending == seq.num_inflight == 0,
                  f"waiting {seq} has computed or in-flight tokens")
     _check_inflight(state)
@@ -53,14 +58,19 @@ def _check_membership(state: SchedulerState) -> None:
 
 
 def _check_running(state: SchedulerState, seq: Sequence) -> None:
-    table = seq.table
-    _require(table is not None and state.kv.get_table(seq.seq_id) is table,
-             f"{seq} has no table of its own")
-    assert table is not None
-    _require(seq.num_computed <= table.num_slots, f"{seq} computed beyond its slots")
+    kv = state.kv
+    _require(kv.has_table(seq.seq_id), f"running {seq} holds no blocks")
+    num_slots = kv.num_slots(seq.seq_id)
+    _require(seq.num_slots == num_slots, f"{seq}: {seq.num_slots} slots, the KV manager "
+             f"says {num_slots}")
+    threshold = kv.cache_threshold(seq.seq_id)
+    _require(seq.next_cache_at == threshold,
+             f"{seq}: next_cache_at {seq.next_cache_at}, the KV manager says {threshold}")
+    _require(seq.num_computed <= seq.num_slots, f"{seq} computed beyond its slots")
     _require(seq.num_computed <= seq.num_total, f"{seq} computed beyond its tokens")
     _require(seq.num_pending <= seq.num_inflight, f"{seq} pending more than in flight")
-    _require(seq.num_block_ids_sent == len(table.blocks) if seq.known_to_stages
+    num_blocks = len(kv.block_ids(seq.seq_id))
+    _require(seq.num_block_ids_sent == num_blocks if seq.known_to_stages
              else seq.num_block_ids_sent == 0, f"{seq}: blocks sent to stages drifted")
     _require(seq.num_computed <= seq.num_tokens_sent <= seq.num_total if seq.known_to_stages
              else seq.num_tokens_sent == 0, f"{seq}: tokens sent to stages drifted")

@@ -29,6 +29,8 @@ class NewSeq:
     Attributes:
         seq_id: the sequence.
         token_ids: every known token (prompt, or prompt + generated after a preemption).
+        prompt_len: how many of ``token_ids`` are the prompt (the rest were generated before
+            a preemption); the last stage counts outputs from it (penalties, seeded draws).
         sampling: the caller's opaque sampling object, for the last stage.
         block_ids: the whole block table.
         num_computed_tokens: positions whose KV already exists (prefix-cache hits, shared
@@ -39,6 +41,7 @@ class NewSeq:
 
     seq_id: int
     token_ids: tuple[int, ...]
+    prompt_len: int
     sampling: object
     block_ids: tuple[int, ...]
     num_computed_tokens: int

@@ -29,8 +29,6 @@ def apply_step_result(
         _raise_mismatch(step, sampled)
     state.inflight.pop_oldest()
     stale = step.stale
-    kv = state.kv
-    cache_unit = kv.block_size if kv.config.enable_prefix_caching else 1 << 62
     max_len = state.config.max_model_len
     new_tokens = dict(sampled) if not stale else {}
     discarded: list[int] = []
@@ -45,13 +43,11 @@ def apply_step_result(
         seq.num_inflight -= 1
         if stale:
             new_tokens[seq.seq_id] = token
-        table = seq.table
-        if len(tokens) >= max_len:
+        num_known, end = len(tokens), seq.num_computed
+        if num_known >= max_len:
             capped.append(seq)
-        elif table and min(seq.num_computed, len(tokens)) >= (
-            table.num_cached_blocks + 1
-        ) * cache_unit:
-            kv.cache_full_blocks(seq.seq_id, tokens, seq.num_computed)
+        elif (end if end < num_known else num_known) >= seq.next_cache_at:  # as in _emit
+            state.cache_full_blocks(seq)  # run-ahead: its position was scheduled already
     for seq in step.silent:
         if stale and seq.seq_id in stale:
             continue

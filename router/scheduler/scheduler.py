@@ -51,7 +51,8 @@ class Scheduler:
 
     @property
     def kv_cache(self) -> KVCacheManager:
-        """The block manager (read it; mutate it only through the scheduler)."""
+        """The block manager: ask its queries (``usage``, ``block_ids``...); mutate it only
+        through the scheduler."""
         return self._state.kv
 
     @property
@@ -163,11 +164,12 @@ class Scheduler:
         return apply_step_result(self._state, step_id, sampled)
 
     def finish(self, seq_id: int, reason: FinishReason) -> bool:
-        """End a sequence (EOS, stop string, length, or abort) in whatever state it is.
+        """End a sequence in whatever state it is.
 
         Its blocks are freed now, once; its tokens in steps still outstanding are discarded
         (a finish learned late gives back the surplus run-ahead slots); the next plan tells the
-        stages. Pending extra choices of a request whose prompt is unfinished end with it.
+        stages (``aborted_seq_ids`` for ABORT, ``finished_seq_ids`` for STOP and LENGTH).
+        Pending extra choices of a request whose prompt is unfinished end with it.
 
         Returns:
             False if ``seq_id`` is not live (already finished or never added); nothing changes.
@@ -179,8 +181,8 @@ class Scheduler:
         return True
 
     def abort(self, seq_id: int) -> bool:
-        """``finish(seq_id, FinishReason.ABORTED)``: safe to call any number of times."""
-        return self.finish(seq_id, FinishReason.ABORTED)
+        """``finish(seq_id, FinishReason.ABORT)``: safe to call any number of times."""
+        return self.finish(seq_id, FinishReason.ABORT)
 
     def preempt_all(self) -> int:
         """Recover from a lost stage: preempt every running sequence, forget outstanding steps

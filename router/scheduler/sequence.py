@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from enum import Enum
 
-from kvcache import BlockHashChain, BlockTable
+from kvcache import BlockHashChain
+
+NEVER = sys.maxsize
+"""A token count no sequence reaches: ``Sequence.next_cache_at`` while it holds no blocks
+(the KV manager's ``cache_threshold`` when prefix caching is off)."""
 
 
 class SeqState(Enum):
@@ -19,12 +24,16 @@ class SeqState(Enum):
 
 
 class FinishReason(Enum):
-    """Why a sequence ended, as the caller reports it (LENGTH also from max_model_len)."""
+    """Why a sequence (a choice of a request) ended: the router's one finish reason.
 
-    STOP = "stop"  # EOS or a stop token
-    STOP_STRING = "stop_string"
-    LENGTH = "length"
-    ABORTED = "aborted"  # client cancel, deadline, disconnect
+    Values are OpenAI's ``finish_reason`` strings. The caller reports STOP and ABORT through
+    ``Scheduler.finish`` / ``abort``; the scheduler itself ends a sequence with LENGTH when it
+    reaches ``max_model_len``.
+    """
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    ABORT = "abort"  # client cancel, deadline, disconnect, or the server failed the request
 
 
 class NoticeKind(Enum):
@@ -51,16 +60,23 @@ class Sequence:
       * ``num_pending`` tokens have been sampled by steps still in flight and are not known
         yet; ``num_total = len(token_ids) + num_pending``.
       * ``num_computed`` positions have their KV written or scheduled in a sent step;
-        ``num_computed <= num_total`` and the block table has ``>= num_computed`` slots.
+        ``num_computed <= num_total`` and ``num_computed <= num_slots``.
       * A sequence is a decode when ``num_computed == num_total - 1``: its one input is the
         last token, known (``token_ids[-1]``) or pending (sampled at ``last_sample_step``).
+
+    Blocks (the ``KVCacheManager`` owns them; the integrity check compares these counts with
+    its answers): while running, the sequence holds ``num_slots`` slots, the stages have been
+    sent its first ``num_block_ids_sent`` block ids, and its next full block can be registered
+    in the prefix cache once ``next_cache_at`` of its tokens are known and scheduled. Waiting,
+    it holds none (``num_slots == 0``, ``next_cache_at == NEVER``).
     """
 
     __slots__ = (
         "arrival", "extra_choices", "free_notice_pending", "hash_chain", "known_to_stages",
-        "last_sample_step", "last_step_id", "num_block_ids_sent", "num_computed", "num_inflight",
-        "num_pending", "num_preemptions", "num_prompt_tokens", "num_tokens_sent", "order_key",
-        "parent", "priority", "sampling", "seq_id", "state", "table", "token_ids",
+        "last_sample_step", "last_step_id", "next_cache_at", "num_block_ids_sent",
+        "num_computed", "num_inflight", "num_pending", "num_preemptions", "num_prompt_tokens",
+        "num_slots", "num_tokens_sent", "order_key", "parent", "priority", "sampling", "seq_id",
+        "state", "token_ids",
     )
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling: object, priority: int,
@@ -74,7 +90,8 @@ class Sequence:
         self.arrival = order_key[1]
         self.hash_chain = hash_chain  # survives preemption: the history only grows
         self.state = SeqState.WAITING
-        self.table: BlockTable | None = None
+        self.num_slots = 0
+        self.next_cache_at = NEVER
         self.num_computed = 0
         self.num_pending = 0
         self.num_inflight = 0  # outstanding steps that include this sequence (<= 2)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from bisect import insort
 
-from kvcache import BlockCopy, KVCacheConfig, KVCacheManager
+from kvcache import BlockAllocation, BlockCopy, KVCacheConfig, KVCacheManager
 from router.scheduler.config import SchedulerConfig
 from router.scheduler.inflight import InflightSteps
-from router.scheduler.sequence import FinishReason, NoticeKind, SeqState, Sequence
+from router.scheduler.sequence import NEVER, FinishReason, NoticeKind, SeqState, Sequence
 from router.scheduler.waiting_queue import WaitingQueue
 
 
@@ -17,7 +17,8 @@ class SchedulerState:
     Invariants (``router.scheduler.integrity`` checks them all):
       * a live sequence is in exactly one of: the waiting queue, ``running`` (sorted by
         ``order_key``), its parent's ``extra_choices``;
-      * exactly the running sequences hold block tables;
+      * exactly the running sequences hold blocks in ``kv``, and each one's block counts agree
+        with the manager's answers;
       * ``notices`` names only sequences the stages knew, once each.
     """
 
@@ -40,10 +41,24 @@ class SchedulerState:
         self.next_step_id = 0
         self.num_preemptions = 0
 
-    def start_running(self, seq: Sequence) -> None:
-        """Move ``seq`` (holding a table) into the running list at its place."""
+    def start_running(self, seq: Sequence, allocation: BlockAllocation) -> None:
+        """Move ``seq`` into the running list at its place, holding the blocks ``allocation``
+        (from ``allocate`` or ``fork``) gave it."""
+        seq.num_slots = allocation.num_slots
+        seq.next_cache_at = self.kv.cache_threshold(seq.seq_id)
         seq.state = SeqState.RUNNING
         insort(self.running, seq, key=_order_key)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks of running ``seq`` whose tokens are known and scheduled.
+
+        Call when ``min(seq.num_computed, len(seq.token_ids)) >= seq.next_cache_at``, and only
+        once the step scheduling them is sent (see ``KVCacheManager.cache_full_blocks``).
+        Mutates: the prefix cache, ``seq.hash_chain`` and ``seq.next_cache_at``.
+        """
+        kv = self.kv
+        kv.cache_full_blocks(seq.seq_id, seq.hash_chain, seq.token_ids, seq.num_computed)
+        seq.next_cache_at = kv.cache_threshold(seq.seq_id)
 
     def preempt(self, seq: Sequence) -> None:
         """Take the blocks of running ``seq`` back and queue it again (recompute later).
@@ -78,7 +93,7 @@ class SchedulerState:
         elif seq.state is SeqState.CHOICE_PENDING and seq.parent is not None:
             seq.parent.extra_choices.remove(seq)
             seq.parent = None
-        kind = NoticeKind.ABORTED if reason is FinishReason.ABORTED else NoticeKind.FINISHED
+        kind = NoticeKind.ABORTED if reason is FinishReason.ABORT else NoticeKind.FINISHED
         if seq.known_to_stages or seq.seq_id in self.notices:
             self.notices[seq.seq_id] = kind  # a pending preemption notice becomes this one
         seq.known_to_stages = False
@@ -106,15 +121,13 @@ class SchedulerState:
             forked = self.kv.fork(parent.seq_id, choice.seq_id, num_tokens)
             if forked is None:
                 return False
-            table, copy = forked
-            if copy is not None:
-                self.block_copies.append(copy)
+            if forked.block_copy is not None:
+                self.block_copies.append(forked.block_copy)
             parent.extra_choices.pop(0)
             choice.parent = None
-            choice.table = table
-            choice.hash_chain = table.hash_chain
+            choice.hash_chain = parent.hash_chain.copy()
             choice.num_computed = num_tokens
-            self.start_running(choice)
+            self.start_running(choice, forked)
         return True
 
     def take_notices(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -122,6 +135,8 @@ class SchedulerState:
 
         Mutates: clears ``notices``; the sequences named may be sent as new from the next plan.
         """
+        if not self.notices:
+            return (), (), ()
         finished: list[int] = []
         aborted: list[int] = []
         preempted: list[int] = []
@@ -137,7 +152,8 @@ class SchedulerState:
 
     def _drop_blocks(self, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
-        seq.table = None
+        seq.num_slots = 0
+        seq.next_cache_at = NEVER
         if seq.num_inflight:
             self.inflight.mark_stale(seq.seq_id)
         seq.num_inflight = 0

@@ -29,13 +29,16 @@ _new_tuple = tuple.__new__  # builds a CachedSeq without the NamedTuple's Python
 class StepBuilder:
     """Plans the step ``state.next_step_id``; use once: ``StepBuilder(state).build()``."""
 
+    __slots__ = ("block_size", "cached_seqs", "kv", "new_seqs", "preempted", "sampling",
+                 "seq_budget", "silent", "state", "step_id", "to_cache", "token_budget")
+
     def __init__(self, state: SchedulerState) -> None:
         self.state = state
+        self.kv = state.kv
         self.step_id = state.next_step_id
         self.token_budget = state.config.max_num_batched_tokens
         self.seq_budget = state.config.max_num_seqs
         self.block_size = state.kv.block_size
-        self.caching = state.kv.config.enable_prefix_caching
         self.new_seqs: list[NewSeq] = []
         self.cached_seqs: list[CachedSeq] = []
         self.sampling: list[Sequence] = []
@@ -50,7 +53,8 @@ class StepBuilder:
             The plan, or None (nothing changed, the step id unused) when there is nothing to
             compute and nothing to tell the stages.
 
-        Mutates: sequences (token counts, tables, states), the KV pool, the outstanding steps.
+        Mutates: sequences (token and block counts, states), the KV pool, the outstanding
+        steps.
         """
         self._fork_ready_parents()
         deferred = self._schedule_decodes()
@@ -79,92 +83,69 @@ class StepBuilder:
     def _schedule_decodes(self) -> list[Sequence]:
         """Phase 1. Returns the eligible running sequences that are not decodes, in order.
 
-        The common decode (stages know the sequence, a block is free if it needs one) is
-        emitted inline rather than through ``_emit``: this loop is the scheduler's hot path.
+        The scheduler's hot path (every running sequence, every step): a decode that has room
+        goes straight to ``_emit``; only one that needs a block goes through ``_reserve``.
         """
         running, config = self.state.running, self.state.config
-        # budget <= max_num_seqs <= max_num_batched_tokens: decodes never run out of tokens,
-        # so the token budget is charged once, after the loop.
+        # budget <= max_num_seqs <= max_num_batched_tokens: decodes never run out of tokens.
         budget = min(self.seq_budget, -(-len(running) // config.max_inflight_steps))
-        max_len, step_id, cached = config.max_model_len, self.step_id, self.cached_seqs
-        sampling = self.sampling
-        cache_unit = self.block_size if self.caching else 1 << 62
-        append_slots = self.state.kv.append_slots
-        num_slow = num_decodes = 0
+        max_len, emit = config.max_model_len, self._emit
+        num_decodes = 0
         deferred: list[Sequence] = []
         for seq in running:  # preemption pops from the end only: the iterator stops sooner
             if seq.num_inflight and not self._eligible(seq):
                 continue
-            tokens, start, table = seq.token_ids, seq.num_computed, seq.table
-            num_known = len(tokens)
-            if start + 1 != num_known + seq.num_pending or seq.extra_choices:
+            start = seq.num_computed
+            if start + 1 != len(seq.token_ids) + seq.num_pending or seq.extra_choices:
                 deferred.append(seq)
                 continue
-            if num_decodes == budget or start + 1 >= max_len or table is None:
-                continue  # (at max_len it awaits its last token; running tables are never None)
-            new_ids = append_slots(seq.seq_id, start + 1) if start >= table.num_slots else ()
-            if seq.known_to_stages and new_ids is not None:
-                if new_ids:  # a known sequence has sent every block but these
-                    seq.num_block_ids_sent = len(table.blocks)
-                item: tuple[object, ...]
-                if start < num_known:  # the stages' history lacks the input token, normally
-                    sent = seq.num_tokens_sent
-                    news = (tokens[start],) if sent == start else tuple(tokens[sent : start + 1])
-                    item = (seq.seq_id, new_ids, start, 1, news, None, True)
-                    num_known = start + 1  # hashable once this step is sent
-                else:  # run-ahead: the input is the token its previous step samples
-                    item = (seq.seq_id, new_ids, start, 1, (), seq.last_sample_step, True)
-                seq.num_tokens_sent = start + 1
-                cached.append(_new_tuple(CachedSeq, item))
-                seq.num_computed = start + 1
-                seq.num_inflight += 1
-                seq.num_pending += 1
-                seq.last_step_id = seq.last_sample_step = step_id
-                sampling.append(seq)
-                if num_known >= (table.num_cached_blocks + 1) * cache_unit:
-                    self.to_cache.append(seq)
-            elif self._reserve(seq, start + 1):
-                self._emit(seq, 1, True)  # charges the budgets itself
-                num_slow += 1
-            else:
-                continue
+            if num_decodes == budget or start + 1 >= max_len:
+                continue  # (at max_len it awaits its last token)
+            new_block_ids = () if start < seq.num_slots else self._reserve(seq, start + 1)
+            if new_block_ids is None:
+                continue  # it was the newest: preempted to make room for older ones
+            emit(seq, 1, True, new_block_ids)
             num_decodes += 1
-        self.token_budget -= num_decodes - num_slow
-        self.seq_budget -= num_decodes - num_slow
+        self.token_budget -= num_decodes
+        self.seq_budget -= num_decodes
         return deferred
 
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Give running ``seq`` room for ``num_tokens`` slots, preempting the newest running
-        sequences while the pool is short. False if ``seq`` itself had to be preempted."""
-        table = seq.table
-        assert table is not None
-        if num_tokens <= table.num_slots:
-            return True
+    def _reserve(self, seq: Sequence, num_tokens: int) -> tuple[int, ...] | None:
+        """Grow running ``seq`` to ``num_tokens`` slots, preempting the newest running
+        sequences while the pool is short.
+
+        Returns:
+            The ids of the blocks appended, or None if ``seq`` itself had to be preempted.
+        """
         state = self.state
-        while state.kv.append_slots(seq.seq_id, num_tokens) is None:
+        while (grown := self.kv.append_slots(seq.seq_id, num_tokens)) is None:
             victim = state.running[-1]  # newest; never one already in this step (see module)
             state.preempt(victim)
             self.preempted = True
             if victim is seq:
-                return False
-        return True
+                return None
+        seq.num_slots = grown.num_slots
+        return grown.new_block_ids
 
     def _schedule_chunks(self, deferred: list[Sequence]) -> None:
         """Phase 2: prefill chunks of running sequences, shrunk to the free blocks."""
-        kv = self.state.kv
+        kv = self.kv
         for seq in deferred:
             if not self.seq_budget or not self.token_budget:
                 return
-            table = seq.table
-            if seq.state is not SeqState.RUNNING or table is None:
-                continue
-            room = table.num_slots - seq.num_computed + kv.num_available_blocks * self.block_size
-            num_new = min(seq.compute_limit - seq.num_computed, self.token_budget, room)
+            if seq.state is not SeqState.RUNNING:
+                continue  # preempted by a decode of this step
+            start = seq.num_computed
+            room = seq.num_slots - start + kv.num_available_blocks * self.block_size
+            num_new = min(seq.compute_limit - start, self.token_budget, room)
             if num_new <= 0:
                 continue
-            appended = kv.append_slots(seq.seq_id, seq.num_computed + num_new)
-            assert appended is not None, "room was computed from the free blocks"
-            self._emit(seq, num_new, seq.num_computed + num_new == seq.num_total)
+            grown = kv.append_slots(seq.seq_id, start + num_new)
+            assert grown is not None, "room was computed from the free blocks"
+            seq.num_slots = grown.num_slots
+            self._emit(seq, num_new, start + num_new == seq.num_total, grown.new_block_ids)
+            self.token_budget -= num_new
+            self.seq_budget -= 1
 
     def _admit_waiting(self) -> None:
         """Phase 3: start waiting sequences in queue order until one does not fit."""
@@ -182,8 +163,7 @@ class StepBuilder:
                 return
 
     def _admit(self, seq: Sequence) -> bool:
-        state = self.state
-        kv = state.kv
+        state, kv = self.state, self.kv
         num_known = len(seq.token_ids)
         # At most num_known - 1 tokens may hit: the last one must run to give logits.
         hit = kv.find_cached_prefix(seq.hash_chain, seq.token_ids, num_known - 1)
@@ -191,64 +171,79 @@ class StepBuilder:
         fork_now = bool(seq.extra_choices) and num_computed == num_known - 1
         limit = num_known if fork_now else seq.compute_limit
         num_new = min(limit - num_computed, self.token_budget)
-        table = kv.allocate(seq.seq_id, num_computed + num_new, seq.hash_chain, hit)
-        if table is None:
+        allocation = kv.allocate(seq.seq_id, num_computed + num_new, hit)
+        if allocation is None:
             return False
         state.waiting.pop(seq)
-        seq.table = table
         seq.num_computed = num_computed
-        state.start_running(seq)
+        state.start_running(seq, allocation)
         if fork_now:
             forked = state.fork_choices(seq)  # full blocks only: shares, never copies
             assert forked
-        self._emit(seq, num_new, num_computed + num_new == seq.num_total)
+        self._emit(seq, num_new, num_computed + num_new == seq.num_total,
+                   allocation.new_block_ids)
+        self.token_budget -= num_new
+        self.seq_budget -= 1
         return True
 
-    def _emit(self, seq: Sequence, num_new: int, sample: bool) -> None:
-        """Add ``seq`` to the plan: positions ``[num_computed, num_computed + num_new)``."""
-        table = seq.table
-        assert table is not None
+    def _emit(self, seq: Sequence, num_new: int, sample: bool,
+              new_block_ids: tuple[int, ...]) -> None:
+        """Add ``seq`` to the plan: positions ``[num_computed, num_computed + num_new)``.
+
+        The one routine for decodes, prefill chunks and first prefills. A sequence the stages
+        know goes as a ``CachedSeq`` diff with ``new_block_ids`` (the blocks the caller just
+        appended; every earlier one was sent, which the integrity check holds) and the tokens
+        their history lacks; any other goes in full as a ``NewSeq``. Queues ``seq`` for
+        prefix-cache registration (at the end of the step) once its next full block is known
+        and scheduled: the scheduler's one caching condition. The caller charges the budgets
+        (the decode phase once for all its decodes).
+        """
         start = seq.num_computed
-        num_known = len(seq.token_ids)
+        end = start + num_new
+        tokens = seq.token_ids
+        num_known = len(tokens)
         if seq.known_to_stages:
-            sent = seq.num_block_ids_sent
-            new_ids = table.block_ids_from(sent) if len(table.blocks) > sent else ()
-            end, sent = start + num_new, seq.num_tokens_sent
+            sent = seq.num_tokens_sent
+            item: tuple[object, ...]
             if start < num_known:  # send the inputs the stages' history lacks (maybe none)
-                news = tuple(seq.token_ids[sent:end])
-                self.cached_seqs.append(CachedSeq(seq.seq_id, new_ids, start, num_new, news,
-                                                  None, sample))
+                news = (tokens[sent],) if end - sent == 1 else tuple(tokens[sent:end])
+                item = (seq.seq_id, new_block_ids, start, num_new, news, None, sample)
             else:  # run-ahead: the input is the token its previous step samples
-                self.cached_seqs.append(CachedSeq(seq.seq_id, new_ids, start, num_new, (),
-                                                  seq.last_sample_step, sample))
-            seq.num_tokens_sent = max(sent, end)
+                item = (seq.seq_id, new_block_ids, start, num_new, (), seq.last_sample_step,
+                        sample)
+            self.cached_seqs.append(_new_tuple(CachedSeq, item))
+            if end > sent:
+                seq.num_tokens_sent = end
+            if new_block_ids:
+                seq.num_block_ids_sent += len(new_block_ids)
         else:
-            self.new_seqs.append(NewSeq(seq.seq_id, tuple(seq.token_ids), seq.sampling,
-                                        table.block_ids, start, num_new, sample))
-            seq.known_to_stages = True
-            seq.num_tokens_sent = num_known
-        seq.num_block_ids_sent = len(table.blocks)
-        seq.num_computed = start + num_new
+            self._send_in_full(seq, num_new, sample)
+        seq.num_computed = end
         seq.num_inflight += 1
-        seq.last_step_id = self.step_id
+        seq.last_step_id = step_id = self.step_id
         if sample:
             seq.num_pending += 1
-            seq.last_sample_step = self.step_id
+            seq.last_sample_step = step_id
             self.sampling.append(seq)
         else:
             self.silent.append(seq)
-        self.token_budget -= num_new
-        self.seq_budget -= 1
-        if self.caching and min(seq.num_computed, num_known) >= (
-            table.num_cached_blocks + 1
-        ) * self.block_size:
+        if (end if end < num_known else num_known) >= seq.next_cache_at:
             self.to_cache.append(seq)
+
+    def _send_in_full(self, seq: Sequence, num_new: int, sample: bool) -> None:
+        """The ``NewSeq`` half of ``_emit``: token history and whole block table."""
+        block_ids = self.kv.block_ids(seq.seq_id)
+        self.new_seqs.append(NewSeq(seq.seq_id, tuple(seq.token_ids), seq.num_prompt_tokens,
+                                    seq.sampling, block_ids, seq.num_computed, num_new, sample))
+        seq.known_to_stages = True
+        seq.num_tokens_sent = len(seq.token_ids)
+        seq.num_block_ids_sent = len(block_ids)
 
     def _finish(self) -> StepPlan | None:
         state = self.state
         # Registered only now, so no sequence of this step hits blocks this step computes.
         for seq in self.to_cache:
-            state.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed)
+            state.cache_full_blocks(seq)
         has_work = bool(self.new_seqs or self.cached_seqs)
         if not (has_work or state.notices or state.block_copies):
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache import (
+    BlockAllocation,
     BlockCopy,
     BlockHashChain,
     IntegrityError,
@@ -27,11 +28,11 @@ def _start(kv: KVCacheManager, seq_id: int, tokens: list[int], num_tokens: int |
     """Admit like the scheduler: look up the prefix, allocate, register what is computed."""
     chain = BlockHashChain(B)
     hit = kv.find_cached_prefix(chain, tokens, len(tokens) - 1)
-    table = kv.allocate(seq_id, num_tokens or len(tokens), chain, hit)
-    assert table is not None
-    kv.cache_full_blocks(seq_id, tokens, num_tokens or len(tokens))
+    allocation = kv.allocate(seq_id, num_tokens or len(tokens), hit)
+    assert allocation is not None
+    kv.cache_full_blocks(seq_id, chain, tokens, num_tokens or len(tokens))
     kv.check_integrity()
-    return hit.num_tokens, list(table.block_ids)
+    return hit.num_tokens, list(allocation.new_block_ids)
 
 
 def test_config_rejects_empty_pools() -> None:
@@ -44,19 +45,18 @@ def test_config_rejects_empty_pools() -> None:
 
 def test_allocate_append_and_free_with_exact_ids() -> None:
     kv = _manager(num_blocks=6)
-    table = kv.allocate(1, 5)
-    assert table is not None and table.block_ids == (0, 1) and table.num_slots == 8
-    assert kv.append_slots(1, 8) == ()  # room already
-    assert kv.append_slots(1, 9) == (2,)
-    assert kv.allocate(2, 12) is not None
-    assert kv.get_table(2).block_ids == (3, 4, 5)
+    assert kv.allocate(1, 5) == BlockAllocation(new_block_ids=(0, 1), num_slots=8)
+    assert kv.append_slots(1, 8) == BlockAllocation((), 8)  # room already
+    assert kv.append_slots(1, 9) == BlockAllocation((2,), 12)
+    assert kv.allocate(2, 12) == BlockAllocation((3, 4, 5), 12)
+    assert kv.block_ids(2) == (3, 4, 5)
     assert kv.append_slots(1, 13) is None  # pool empty: nothing changed
-    assert kv.get_table(1).block_ids == (0, 1, 2)
+    assert kv.block_ids(1) == (0, 1, 2) and kv.num_slots(1) == 12
     kv.check_integrity()
     kv.free(1)
     assert kv.num_available_blocks == 3
     # Freed last-first: the tail block (2) is handed out before the head (0).
-    assert kv.allocate(3, 12) is not None and kv.get_table(3).block_ids == (2, 1, 0)
+    assert kv.allocate(3, 12) is not None and kv.block_ids(3) == (2, 1, 0)
     with pytest.raises(ValueError, match="already has"):
         kv.allocate(3, 1)
     with pytest.raises(KeyError):
@@ -74,7 +74,7 @@ def test_second_request_sharing_a_three_block_prefix_computes_only_its_new_token
     hit, ids = _start(kv, 2, second)
     assert hit == 12  # 3 blocks count as computed: only tokens 12..14 are new
     assert ids == [0, 1, 2, 4]
-    assert [b.ref_count for b in kv.get_table(2).blocks] == [2, 2, 2, 1]
+    assert kv.block_ref_counts(2) == (2, 2, 2, 1)
     usage = kv.usage()
     assert (usage.prefix_query_tokens, usage.prefix_hit_tokens) == (14 + 15, 12)
     assert usage.prefix_hit_rate == pytest.approx(12 / 29)
@@ -99,7 +99,7 @@ def test_freed_cached_blocks_are_reused_until_evicted_lru_first() -> None:
     hit, ids = _start(kv, 2, [1, 1, 1, 1, 9, 9])
     assert hit == 4 and ids == [0, 3]
     # Next allocation takes plain block 2, then must evict: block 1 (the only cached free).
-    assert kv.allocate(3, 8) is not None and kv.get_table(3).block_ids == (2, 1)
+    assert kv.allocate(3, 8) is not None and kv.block_ids(3) == (2, 1)
     assert kv.usage().num_evictions == 1
     hit, _ = _start(kv, 4, [1, 1, 1, 1, 2, 2, 2, 2, 5], num_tokens=4)
     assert hit == 4  # block 0 still cached; block 1's prefix is gone
@@ -113,8 +113,8 @@ def test_eviction_order_follows_release_order_across_sequences() -> None:
     kv.free(2)  # cached free queue: 4, 3
     kv.free(1)  # ... then 1, 0
     assert kv.allocate(3, 4 * 4) is not None  # plain 5, 2, then evicts 4, 3
-    assert kv.get_table(3).block_ids == (5, 2, 4, 3)
-    assert kv.allocate(4, 4) is not None and kv.get_table(4).block_ids == (1,)
+    assert kv.block_ids(3) == (5, 2, 4, 3)
+    assert kv.allocate(4, 4) is not None and kv.block_ids(4) == (1,)
     kv.check_integrity()
 
 
@@ -127,7 +127,7 @@ def test_stale_prefix_hit_is_refused() -> None:
     assert hit.num_tokens == 4
     assert kv.allocate(2, 8) is not None  # evicts the hit block
     with pytest.raises(StalePrefixHitError):
-        kv.allocate(3, 5, chain, hit)
+        kv.allocate(3, 5, hit)
 
 
 def test_allocation_counts_revived_cached_blocks_against_the_free_pool() -> None:
@@ -137,8 +137,8 @@ def test_allocation_counts_revived_cached_blocks_against_the_free_pool() -> None
     chain = BlockHashChain(B)
     hit = kv.find_cached_prefix(chain, [4] * 8 + [2] * 9, 16)
     assert hit.num_tokens == 8
-    assert kv.allocate(2, 17, chain, hit) is None  # 2 revived + 3 new > 3 available
-    assert kv.allocate(2, 12, chain, hit) is not None
+    assert kv.allocate(2, 17, hit) is None  # 2 revived + 3 new > 3 available
+    assert kv.allocate(2, 12, hit) is not None
     kv.check_integrity()
 
 
@@ -146,15 +146,14 @@ def test_fork_shares_full_blocks_and_copies_a_partial_last_block() -> None:
     kv = _manager(num_blocks=8)
     _start(kv, 1, list(range(10)))  # blocks 0, 1 full, 2 holds tokens 8 and 9
     forked = kv.fork(1, 2, num_tokens=10)
-    assert forked is not None
-    table, copy = forked
-    assert table.block_ids == (0, 1, 3)
-    assert copy == BlockCopy(src_block_id=2, dst_block_id=3)
-    assert [b.ref_count for b in kv.get_table(1).blocks] == [2, 2, 1]
-    assert table.num_cached_blocks == 2 and table.hash_chain is not kv.get_table(1).hash_chain
+    assert forked == BlockAllocation(new_block_ids=(0, 1, 3), num_slots=12,
+                                     block_copy=BlockCopy(src_block_id=2, dst_block_id=3))
+    assert kv.block_ids(2) == (0, 1, 3)
+    assert kv.block_ref_counts(1) == (2, 2, 1)
+    assert kv.cache_threshold(2) == 3 * B  # the two shared full blocks are cached already
     kv.check_integrity()
     forked = kv.fork(1, 3, num_tokens=8)  # a block boundary: nothing to copy
-    assert forked is not None and forked[1] is None and forked[0].block_ids == (0, 1)
+    assert forked == BlockAllocation((0, 1), 8, None)
     kv.free(1)
     kv.free(2)
     kv.free(3)
@@ -166,7 +165,7 @@ def test_fork_without_a_free_block_for_the_copy_changes_nothing() -> None:
     kv = _manager(num_blocks=2)
     assert kv.allocate(1, 6) is not None
     assert kv.fork(1, 2, 6) is None
-    assert not kv.has_table(2) and [b.ref_count for b in kv.get_table(1).blocks] == [1, 1]
+    assert not kv.has_table(2) and kv.block_ref_counts(1) == (1, 1)
     with pytest.raises(ValueError, match="slots"):
         kv.fork(1, 2, 9)
     kv.check_integrity()
@@ -175,11 +174,12 @@ def test_fork_without_a_free_block_for_the_copy_changes_nothing() -> None:
 def test_cache_full_blocks_registers_only_full_known_blocks() -> None:
     kv = _manager()
     tokens = list(range(11))
+    chain = BlockHashChain(B)
     assert kv.allocate(1, 11) is not None
-    assert kv.cache_full_blocks(1, tokens, 3) == 0
-    assert kv.cache_full_blocks(1, tokens[:6], 11) == 1  # only 6 tokens known
-    assert kv.cache_full_blocks(1, tokens, 11) == 1
-    assert kv.cache_full_blocks(1, tokens, 11) == 0
+    assert kv.cache_full_blocks(1, chain, tokens, 3) == 0
+    assert kv.cache_full_blocks(1, chain, tokens[:6], 11) == 1  # only 6 tokens known
+    assert kv.cache_full_blocks(1, chain, tokens, 11) == 1
+    assert kv.cache_full_blocks(1, chain, tokens, 11) == 0
     assert kv.usage().num_hashed_blocks == 2
     kv.check_integrity()
 
@@ -205,8 +205,8 @@ def test_hash_chain_covers_the_whole_prefix_and_the_extra_key() -> None:
 
 def test_check_integrity_catches_a_table_holding_a_block_twice() -> None:
     kv = _manager()
-    table = kv.allocate(1, 8)
-    assert table is not None
+    assert kv.allocate(1, 8) is not None
+    table = kv._tables[1]  # corrupt the internal table, as a bug in kvcache would
     table.blocks[1] = table.blocks[0]
     with pytest.raises(IntegrityError):
         kv.check_integrity()

@@ -31,7 +31,8 @@ def check_plan_protocol(plan: StepPlan) -> None:
     freed = plan.freed_seq_ids
     assert len(set(computed)) == len(computed) and len(set(freed)) == len(freed), plan
     assert not set(computed) & set(freed), f"step {plan.step_id} frees and computes {computed}"
-    assert all(s.num_new_tokens >= 1 for s in (*plan.new_seqs, *plan.cached_seqs))
+    assert all(s.num_new_tokens >= 1 for s in plan.new_seqs)
+    assert all(s.num_new_tokens >= 1 for s in plan.cached_seqs)
 
 
 @dataclass

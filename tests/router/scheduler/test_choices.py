@@ -16,16 +16,15 @@ def test_choices_share_the_prompt_blocks_and_copy_the_partial_one() -> None:
     driver = Driver(scheduler, pipeline, max_tokens=dict.fromkeys((1, 2, 3), 8))
     first = driver.plan()
     assert first is not None
-    assert first.new_seqs == (NewSeq(1, tuple(prompt), 1, (0, 1, 2), 0, 9, False),)
+    assert first.new_seqs == (NewSeq(1, tuple(prompt), 10, 1, (0, 1, 2), 0, 9, False),)
     driver.complete()
     second = driver.plan()
     assert second is not None
     assert second.block_copies == (BlockCopy(2, 3), BlockCopy(2, 4))
     assert second.cached_seqs == (CachedSeq(1, (), 9, 1, (), None, True),)  # 29 was sent
-    assert second.new_seqs == (NewSeq(2, tuple(prompt), 2, (0, 1, 3), 9, 1, True),
-                               NewSeq(3, tuple(prompt), 3, (0, 1, 4), 9, 1, True))
-    refs = [b.ref_count for b in scheduler.kv_cache.get_table(1).blocks]
-    assert refs == [3, 3, 1]
+    assert second.new_seqs == (NewSeq(2, tuple(prompt), 10, 2, (0, 1, 3), 9, 1, True),
+                               NewSeq(3, tuple(prompt), 10, 3, (0, 1, 4), 9, 1, True))
+    assert scheduler.kv_cache.block_ref_counts(1) == (3, 3, 1)
     driver.run()
     for seq_id in (1, 2, 3):
         assert driver.outputs[seq_id] == reference_tokens(prompt, seq_id, VOCAB, 8, EOS)
@@ -45,7 +44,7 @@ def test_choices_fork_at_admission_when_the_cache_holds_the_shared_prompt() -> N
     (parent,) = plan.new_seqs
     assert (parent.seq_id, parent.num_computed_tokens, parent.num_new_tokens) == (2, 8, 1)
     assert scheduler.get_state(3) is SeqState.RUNNING  # forked already: the hit is shared
-    assert scheduler.kv_cache.get_table(3).block_ids == parent.block_ids[:2]
+    assert scheduler.kv_cache.block_ids(3) == parent.block_ids[:2]
     driver.run()
     for seq_id in (2, 3):
         assert driver.outputs[seq_id] == reference_tokens([*base, 5], seq_id, VOCAB, 3, EOS)

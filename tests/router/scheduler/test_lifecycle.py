@@ -117,6 +117,7 @@ def test_newest_running_sequence_is_preempted_and_resumes_with_identical_tokens(
     generated = len(resumed.token_ids) - 3
     assert generated > 0  # it had decoded: the history goes back in full
     assert resumed.token_ids == (4, 5, 6, *expected[2][:generated])
+    assert resumed.prompt_len == 3  # the history holds outputs too; the prompt is 3 of it
     for seq_id in prompts:
         assert driver.outputs[seq_id] == expected[seq_id]
     assert scheduler.stats().num_preemptions >= 1

@@ -88,7 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = self._live()
         seq_id = data.draw(st.sampled_from(live)) if live else 12345
         ended = self.scheduler.abort(seq_id) if abort else self.scheduler.finish(
-            seq_id, FinishReason.STOP_STRING)
+            seq_id, FinishReason.STOP)
         assert ended is (seq_id in live)
         if ended:
             self.cut_short.add(seq_id)

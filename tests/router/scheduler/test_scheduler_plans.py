@@ -23,7 +23,7 @@ def test_prefill_is_chunked_and_only_the_last_chunk_samples() -> None:
     scheduler.add_request(1, prompt, "greedy")
     plan = scheduler.schedule()
     assert plan is not None and plan.step_id == 0 and plan.cached_seqs == ()
-    assert plan.new_seqs == (NewSeq(1, tuple(prompt), "greedy", (0, 1), 0, 8, False),)
+    assert plan.new_seqs == (NewSeq(1, tuple(prompt), 20, "greedy", (0, 1), 0, 8, False),)
     assert scheduler.schedule() is None  # P = 1: one step at a time
     assert scheduler.update(0, {}).new_tokens == {}
     plan = scheduler.schedule()
@@ -65,6 +65,22 @@ def test_finish_frees_at_once_and_the_next_plan_tells_the_stages_once() -> None:
     assert not scheduler.has_unfinished
 
 
+def test_one_finish_reason_with_the_openai_values() -> None:
+    assert {r.name: r.value for r in FinishReason} == {
+        "STOP": "stop", "LENGTH": "length", "ABORT": "abort"}
+    scheduler, _ = make_scheduler()
+    for seq_id in (1, 2, 3):
+        scheduler.add_request(seq_id, [seq_id, 1], None)
+    plan = scheduler.schedule()
+    assert plan is not None
+    scheduler.update(plan.step_id, dict.fromkeys(plan.sampling_seq_ids, 9))
+    assert scheduler.finish(1, FinishReason.STOP) and scheduler.finish(2, FinishReason.LENGTH)
+    assert scheduler.finish(3, FinishReason.ABORT)
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert (plan.finished_seq_ids, plan.aborted_seq_ids) == ((1, 2), (3,))
+
+
 def test_decodes_first_then_prefill_chunks_then_waiting_within_one_budget() -> None:
     scheduler, _ = make_scheduler(max_num_batched_tokens=6, max_num_seqs=3)
     scheduler.add_request(1, [1, 2], None)
@@ -75,8 +91,8 @@ def test_decodes_first_then_prefill_chunks_then_waiting_within_one_budget() -> N
     scheduler.add_request(3, [7, 7], None)
     plan = scheduler.schedule()  # decode 1 (1 token), then 2 takes the other 5
     assert plan is not None
-    assert [(s.seq_id, s.num_new_tokens) for s in (*plan.cached_seqs, *plan.new_seqs)] == [
-        (1, 1), (2, 5)]
+    assert [(s.seq_id, s.num_new_tokens) for s in plan.cached_seqs] == [(1, 1)]
+    assert [(s.seq_id, s.num_new_tokens) for s in plan.new_seqs] == [(2, 5)]
     scheduler.update(plan.step_id, {1: 5})
     plan = scheduler.schedule()  # decode 1, chunk of 2 (5 left: budget 5), 3 waits
     assert plan is not None
