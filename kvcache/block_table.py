@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from kvcache.errors import IntegrityError
 from kvcache.free_queue import KVBlock
 from kvcache.hashing import BlockHash
 
@@ -37,6 +38,19 @@ class BlockTable:
     def block_ids_from(self, start: int) -> tuple[int, ...]:
         """The ids of ``blocks[start:]``, in position order."""
         return tuple([block.block_id for block in self.blocks[start:]])
+
+    def check_integrity(self, seq_id: int) -> None:
+        """Verify the table is ``seq_id``'s, holds no block twice, and no block it offered to
+        the prefix cache carries another hash. Raises IntegrityError."""
+        ids = self.block_ids_from(0)
+        if self.seq_id != seq_id or len(set(ids)) != len(ids):
+            raise IntegrityError(f"table of {seq_id} is malformed: {self}")
+        if self.num_cached_blocks > len(ids):
+            raise IntegrityError(f"table of {seq_id}: more cached blocks than blocks")
+        for index, block_hash in enumerate(self.cached_hashes):
+            held = self.blocks[index].block_hash
+            if held is not None and held != block_hash:
+                raise IntegrityError(f"table of {seq_id}: block {index} holds other tokens' KV")
 
     def __repr__(self) -> str:
         return f"BlockTable(seq_id={self.seq_id}, block_ids={list(self.block_ids_from(0))})"

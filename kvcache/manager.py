@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from kvcache.block_pool import BlockPool
 from kvcache.block_table import BlockTable
 from kvcache.config import KVCacheConfig
-from kvcache.errors import IntegrityError, StalePrefixHitError
+from kvcache.errors import StalePrefixHitError
 from kvcache.free_queue import KVBlock
 from kvcache.hashing import BlockHashChain
 from kvcache.records import BlockAllocation, BlockCopy, KVCacheUsage, PrefixHit
@@ -337,18 +337,7 @@ class KVCacheManager:
         """
         refs: Counter[int] = Counter()
         for seq_id, table in self._tables.items():
-            _check_table(seq_id, table)
+            table.check_integrity(seq_id)
             refs.update(block.block_id for block in table.blocks)
         self._pool.check_integrity(refs)
 
-
-def _check_table(seq_id: int, table: BlockTable) -> None:
-    ids = table.block_ids_from(0)
-    if table.seq_id != seq_id or len(set(ids)) != len(ids):
-        raise IntegrityError(f"table of {seq_id} is malformed: {table}")
-    if table.num_cached_blocks > len(ids):
-        raise IntegrityError(f"table of {seq_id}: more cached blocks than blocks")
-    for index, block_hash in enumerate(table.cached_hashes):
-        held = table.blocks[index].block_hash
-        if held is not None and held != block_hash:
-            raise IntegrityError(f"table of {seq_id}: block {index} holds other tokens' KV")
