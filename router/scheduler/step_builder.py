@@ -12,6 +12,9 @@ Order within a step, under one budget of ``max_num_batched_tokens`` tokens and
      until one does not fit (head of line: nothing overtakes it, so nobody waits for ever).
      A preempted sequence comes back only after the plan telling the stages, and only once
      no step it was in is outstanding, so in-flight steps never share a sequence.
+  4. if nothing is planned, nobody was preempted and no step is outstanding, the newest
+     running sequence is preempted: the others wait on blocks only they hold (see
+     ``_break_stall``).
 A sequence is eligible when it is in no outstanding step, or, with run-ahead, in exactly one
 that is at least P steps older (so P consecutive steps never share a sequence).
 """
@@ -61,7 +64,21 @@ class StepBuilder:
         self._schedule_chunks(deferred)
         if not self.preempted:
             self._admit_waiting()
+            if not (self.new_seqs or self.cached_seqs):
+                self._break_stall()
         return self._finish()
+
+    def _break_stall(self) -> None:
+        """Nothing could be planned and nobody was preempted. With no step outstanding either,
+        the running sequences wait for blocks only they hold: parents for the block a fork
+        copies into, prefill chunks for room (neither phase preempts). Nothing would change
+        before a caller's finish or abort, so preempt the newest running sequence, as a decode
+        short of a block does; its blocks serve the older ones from the next step.
+        """
+        state = self.state
+        if state.running and not state.inflight:
+            state.preempt(state.running[-1])
+            self.preempted = True
 
     def _fork_ready_parents(self) -> None:
         state = self.state

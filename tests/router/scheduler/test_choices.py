@@ -61,3 +61,30 @@ def test_aborting_the_parent_before_the_fork_ends_its_pending_choices() -> None:
     assert scheduler.kv_cache.usage().num_used_blocks == 0
     assert [i for p in driver.plans for i in p.aborted_seq_ids] == [1]
     scheduler.check_integrity()
+
+
+def test_a_fork_and_a_chunk_waiting_on_each_others_blocks_do_not_stall() -> None:
+    # 4 blocks of 2: the parent's shared prompt (3 tokens) and the other request's first chunk
+    # take all of them; the fork needs a block for its copy, the chunk needs room to go on.
+    scheduler, pipeline = make_scheduler(num_blocks=4, block_size=2, max_model_len=8,
+                                         max_num_batched_tokens=6, max_num_seqs=4)
+    driver = Driver(scheduler, pipeline, max_tokens={1: 2, 2: 2, 3: 1}, use_eos=False)
+    scheduler.add_request(1, [1, 2, 3, 4], 1, extra_choices=[ChoiceSpec(2, 2)])
+    scheduler.add_request(3, [5, 6, 7, 8, 9, 10, 11], 3)
+    first = driver.plan()
+    assert first is not None
+    assert [(s.seq_id, s.num_new_tokens) for s in first.new_seqs] == [(1, 3), (3, 3)]
+    driver.complete()
+    second = driver.plan()  # the fork finds no block; 3's chunk fills its last slot
+    assert second is not None and second.block_copies == ()
+    assert [(s.seq_id, s.num_new_tokens) for s in second.cached_seqs] == [(3, 1)]
+    driver.complete()
+    assert scheduler.kv_cache.num_available_blocks == 0
+    stalled = driver.plan()  # nothing fits and nothing is outstanding: the newest gives way
+    assert stalled is not None and stalled.seq_ids == () and stalled.preempted_seq_ids == (3,)
+    driver.run()
+    for seq_id, prompt in ((1, [1, 2, 3, 4]), (2, [1, 2, 3, 4]), (3, [5, 6, 7, 8, 9, 10, 11])):
+        expected = reference_tokens(prompt, seq_id, VOCAB, driver.max_tokens[seq_id], None)
+        assert driver.outputs[seq_id] == expected
+    assert scheduler.kv_cache.usage().num_used_blocks == 0
+    scheduler.check_integrity()
