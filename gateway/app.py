@@ -24,7 +24,7 @@ from gateway.generate import GenerateHandler
 from gateway.http import ClientDisconnectedError, Exchange, Receive, Send
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.params import Endpoint
-from gateway.served import ModelView, ServedModel
+from gateway.served import ModelView, ModelViewLoader
 from router.client import RouterClient
 
 log = logging.getLogger("stagemesh.gateway")
@@ -45,7 +45,7 @@ class Running:
     belongs to the loop that made it)."""
 
     client: RouterClient
-    served: ServedModel
+    served: ModelViewLoader
     generate: GenerateHandler
 
 
@@ -81,7 +81,7 @@ class GatewayApp:
                 client = RouterClient(
                     self.cfg.router, tls.credentials() if tls else None,
                     metadata=[("authorization", f"Bearer {key}")] if key else [])
-                served = ServedModel(client, self.cfg)
+                served = ModelViewLoader(client, self.cfg)
                 self._running = Running(client, served,
                                         GenerateHandler(self.cfg, client, served, self.metrics))
                 await send({"type": "lifespan.startup.complete"})

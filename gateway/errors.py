@@ -14,7 +14,7 @@ import grpc
 
 # OpenAI's `type` values for each HTTP status the gateway returns.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error",
+          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
           504: "timeout_error"}
 
@@ -22,6 +22,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 _STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_argument"),
     grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "resource_exhausted"),
     grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "deadline_exceeded"),

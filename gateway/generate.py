@@ -20,7 +20,7 @@ from gateway.errors import APIError, from_rpc_error
 from gateway.http import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.params import Endpoint, GenerationSpec, parse_chat, parse_completions
-from gateway.served import ServedModel
+from gateway.served import ModelViewLoader
 from gateway.streams import RouterStreams
 from protos.stagemesh.v1 import inference_pb2 as pb
 from router.client import RouterClient
@@ -44,7 +44,7 @@ def _as_api_error(exc: Exception, spec: GenerationSpec) -> APIError:
 
 
 class GenerateHandler:
-    def __init__(self, cfg: GatewayConfig, client: RouterClient, served: ServedModel,
+    def __init__(self, cfg: GatewayConfig, client: RouterClient, served: ModelViewLoader,
                  metrics: GatewayMetrics) -> None:
         self.cfg = cfg
         self.client = client

@@ -37,7 +37,9 @@ class ModelView:
                 "owned_by": "stagemesh", "max_model_len": self.context_length}
 
 
-class ServedModel:
+class ModelViewLoader:
+    """Fetches the `ModelView` from the router once, on first use, and keeps it."""
+
     def __init__(self, client: RouterClient, cfg: GatewayConfig) -> None:
         self.client = client
         self.cfg = cfg

@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from router.detokenizer import IncrementalDetokenizer
 from router.outputs import ChoiceDelta, TokenLogprob
-from router.requests import FinishReason
+from router.scheduler import FinishReason
 from router.stop import StopChecker
 
 

@@ -18,8 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-           pb.FINISH_REASON_ABORT: "abort"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed")
 
@@ -78,6 +76,14 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     return req
 
 
+def finish_reason_text(value: int) -> str | None:
+    """The OpenAI spelling of a proto FinishReason ("stop", "length", "abort"); None while
+    the choice is not finished."""
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
 def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
     usage = None
     if msg.HasField("usage"):
@@ -87,7 +93,7 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
     logprobs = tuple((lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
                      for lp in msg.logprobs)
     return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
-                 _FINISH.get(msg.finish_reason), logprobs, usage)
+                 finish_reason_text(msg.finish_reason), logprobs, usage)
 
 
 class RouterClient:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from foundation.tls import ClientTls, ServerTls
-from router.requests import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -19,7 +18,6 @@ class RouterConfig:
         max_model_len: context limit; 0 = the model's, capped by what the KV pool holds.
         max_num_seqs / max_num_batched_tokens: per-step limits of the scheduler.
         max_queued_requests / max_queued_tokens: admission limits (beyond: 429).
-        max_tokens_cap / max_n / max_logprobs...: request limits.
         startup_budget_s: how long the stages may take to come up.
         recovery_budget_s: how long requests wait for a failed stage before UNAVAILABLE.
         step_timeout_s: a step without a result after this long marks the pipeline down.
@@ -43,8 +41,6 @@ class RouterConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     enable_prefix_caching: bool = True
-    limits: RequestLimits | None = None
-    request_limit_overrides: dict[str, int] = field(default_factory=dict)
     startup_budget_s: float = 300.0
     recovery_budget_s: float = 60.0
     step_timeout_s: float = 30.0

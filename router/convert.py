@@ -11,17 +11,17 @@ from router.outputs import ChoiceDelta, Usage
 from router.requests import (
     ChatMessage,
     ChatPrompt,
-    FinishReason,
     PromptInput,
     RawGenerateRequest,
     TextPrompt,
     TokenPrompt,
 )
+from router.scheduler import FinishReason
 from router.validation import ValidationError
 
+# The one table between the router's finish reasons and the public API's.
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
-           FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-           FinishReason.ABORT: pb.FINISH_REASON_ABORT, FinishReason.ERROR: pb.FINISH_REASON_ABORT}
+           FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
 
 def _opt(msg: object, name: str, default: object) -> object:

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from foundation.tokenizer import ModelTokenizer
-from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.choice import ChoiceState
+from router.errors import DuplicateRequestError, UnavailableError
 from router.outputs import (
     ChoiceDelta,
     FailureKind,
@@ -28,16 +28,11 @@ from router.outputs import (
     Usage,
     coalesce,
 )
-from router.pipeline import Pipeline, PipelineShape, PipelineState
-from router.requests import FinishReason, GenerateRequest
+from router.pipeline import Pipeline, PipelineShape, PipelineState, StepOutcome
+from router.requests import GenerateRequest
 from router.scheduler import ChoiceSpec, NewSeq, Scheduler
-from router.scheduler import FinishReason as SchedFinish
-from router.stage_convert import plan_to_proto, tokens_from_result
 
 log = logging.getLogger("stagemesh.router")
-
-_SCHED_REASON = {FinishReason.STOP: SchedFinish.STOP, FinishReason.LENGTH: SchedFinish.LENGTH,
-                 FinishReason.ABORT: SchedFinish.ABORTED}
 
 
 @dataclass(frozen=True)
@@ -73,12 +68,11 @@ class Engine:
         self._make_scheduler = make_scheduler
         self._scheduler: Scheduler | None = None
         self.pipeline = pipeline
-        pipeline.on_result = self._on_result
+        pipeline.on_outcome = self._on_outcome
         pipeline.on_failure = self._on_failure
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.seq_owner: dict[int, RequestState] = {}
-        self.prompt_lens: dict[int, int] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._sent_at: dict[int, float] = {}
@@ -101,13 +95,19 @@ class Engine:
     # --- requests -----------------------------------------------------------------------
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[list[StreamItem]]:
-        """Admit `req`. Raises the scheduler's AdmissionRefusedError / InvalidRequestError,
-        or RuntimeError when the pipeline is down past its recovery budget."""
+        """Admit `req`.
+
+        Raises:
+            AdmissionRefusedError, InvalidRequestError: from the scheduler.
+            DuplicateRequestError: a live request has the same request_id.
+            UnavailableError: the pipeline is down past its recovery budget.
+        """
         if self.pipeline.state is not PipelineState.READY and self._down_since is not None \
                 and time.monotonic() - self._down_since > self.cfg.recovery_budget_s:
-            raise RuntimeError("the pipeline is down past its recovery budget")
+            raise UnavailableError("the pipeline is down past its recovery budget")
         if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already running")
+            raise DuplicateRequestError(f"request_id {req.request_id!r} is already running; "
+                                        "request ids must be unique among live requests")
         seq_ids = [next(self._seq_ids) for _ in range(req.n)]
         sampling = [req.sampling] * req.n
         if req.sampling.seed is not None:  # choices of one seeded request must differ
@@ -128,7 +128,6 @@ class Engine:
         self.requests[req.request_id] = state
         for seq in seq_ids:
             self.seq_owner[seq] = state
-            self.prompt_lens[seq] = len(req.prompt_token_ids)
         self._wake.set()
         return self._stream(state)
 
@@ -190,7 +189,7 @@ class Engine:
                 self._sent_at[plan.step_id] = time.monotonic()
                 self.steps += 1
                 self._note_prefix_hits(plan.new_seqs)
-                await self.pipeline.send(plan_to_proto(plan, self.prompt_lens))
+                await self.pipeline.send(plan)
 
     async def _watch_steps(self) -> None:
         """A step with no result past `step_timeout_s` marks the pipeline down (a hung
@@ -214,10 +213,10 @@ class Engine:
             if state is not None and state.cached_prompt_tokens < 0:
                 state.cached_prompt_tokens = seq.num_computed_tokens
 
-    def _on_result(self, result: pb.StepResult) -> None:
-        self._sent_at.pop(result.step_id, None)
-        sampled, logprobs = tokens_from_result(result)
-        update = self.scheduler.update(result.step_id, sampled)
+    def _on_outcome(self, outcome: StepOutcome) -> None:
+        self._sent_at.pop(outcome.step_id, None)
+        logprobs = outcome.logprobs
+        update = self.scheduler.update(outcome.step_id, outcome.tokens)
         capped = set(update.length_capped_seq_ids)
         for seq, token in update.new_tokens.items():
             state = self.seq_owner.get(seq)
@@ -231,7 +230,7 @@ class Engine:
                                     seq in capped)
             state.completion_tokens += 1
             if choice.finish_reason is not None and seq not in capped:
-                self.scheduler.finish(seq, _SCHED_REASON[choice.finish_reason])
+                self.scheduler.finish(seq, choice.finish_reason)
             self._emit(state, delta)
         self._wake.set()
 
@@ -259,7 +258,6 @@ class Engine:
         self.requests.pop(state.request.request_id, None)
         for seq in state.choices:
             self.seq_owner.pop(seq, None)
-            self.prompt_lens.pop(seq, None)
 
     def _fail(self, state: RequestState, kind: FailureKind, message: str) -> None:
         for seq, choice in state.choices.items():

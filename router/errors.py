@@ -23,7 +23,12 @@ class ModelNotFoundError(LookupError):
 
 
 class UnavailableError(RuntimeError):
-    """Draining, or the pipeline is down past its recovery budget (UNAVAILABLE, HTTP 503)."""
+    """Draining, starting, or the pipeline is down past its recovery budget (UNAVAILABLE,
+    HTTP 503)."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request_id equal to that of a live request (ALREADY_EXISTS, HTTP 409)."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
@@ -32,6 +37,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ModelNotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, AdmissionRefusedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, UnavailableError):

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import os
 import signal
 import sys
-from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from foundation.api_keys import ApiKeys
+from foundation.model_config import ModelConfig
 from foundation.tls import ListenError, add_port
 from foundation.tokenizer import ModelTokenizer
-from kvcache import KVCacheConfig
 from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
 from router.auth import ApiKeyInterceptor
+from router.capacity import Capacity, CapacityError, plan_capacity
 from router.config import RouterConfig
 from router.engine import Engine, EngineConfig
 from router.pipeline import Pipeline, PipelineError, PipelineShape
-from router.requests import RequestLimits
-from router.scheduler import Scheduler, SchedulerConfig
+from router.scheduler import Scheduler
 from router.service import InferenceServicer, ServedModel
 
 log = logging.getLogger("stagemesh.router")
@@ -32,31 +31,26 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def model_context(cfg: RouterConfig) -> tuple[int, int]:
-    """(context length, vocab size) from config.json."""
-    doc = json.loads((cfg.model_dir / "config.json").read_text("utf-8"))
-    return int(doc.get("max_position_embeddings", 2048)), int(doc["vocab_size"])
-
-
 class RouterApp:
-    """Composes tokenizer, pipeline, engine and servicers; owns the server's lifetime."""
+    """Composes tokenizer, pipeline, engine and servicers; owns the server's lifetime.
+
+    The gRPC server (health NOT_SERVING) starts first; the scheduler and the served model's
+    limits are built once the stages have reported their capacity (`plan_capacity`).
+    """
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.tokenizer = ModelTokenizer.from_dir(cfg.model_dir)
-        self.context, self.vocab = model_context(cfg)
-        if cfg.max_model_len:
-            self.context = min(self.context, cfg.max_model_len)
+        self.model = ModelConfig.from_dir(cfg.model_dir)
         stage_credentials = cfg.stage_tls.credentials() if cfg.stage_tls else None
-        pipeline = Pipeline(list(cfg.stage_addresses), lambda r: None, lambda r: None,
-                            credentials=stage_credentials)
+        pipeline = Pipeline(list(cfg.stage_addresses), credentials=stage_credentials)
         self.engine = Engine(EngineConfig(cfg.step_timeout_s, cfg.recovery_budget_s,
                                           cfg.stream_interval),
                              self._make_scheduler, pipeline, self.tokenizer)
-        self.limits = cfg.limits or RequestLimits(max_model_len=self.context,
-                                                  vocab_size=self.vocab)
-        self.servicer = InferenceServicer(self.engine, self.tokenizer, self.limits,
-                                          ServedModel(cfg.model_name, "auto", 1))
+        self._capacity: Capacity | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self.served: asyncio.Future[ServedModel] = asyncio.get_running_loop().create_future()
+        self.servicer = InferenceServicer(self.engine, self.tokenizer, self.served)
         self.health = health.HealthServicer()
         interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
         self.server = grpc.aio.server(interceptors=interceptors, options=[
@@ -64,23 +58,17 @@ class RouterApp:
             ("grpc.max_send_message_length", 64 << 20)])
 
     def _make_scheduler(self, shape: PipelineShape) -> Scheduler:
-        kv = KVCacheConfig(shape.num_kv_blocks, shape.block_size, self.cfg.enable_prefix_caching)
-        max_len = min(self.context, shape.num_kv_blocks * shape.block_size)
-        if max_len < self.limits.max_model_len:
-            log.warning("context capped at %d tokens: the KV pool holds %d blocks of %d",
-                        max_len, shape.num_kv_blocks, shape.block_size)
-            self.limits = replace(self.limits, max_model_len=max_len)
-            self.servicer.limits = self.limits
-        self.servicer.model = replace(self.servicer.model, dtype=shape.dtype,
-                                      tp_size=shape.tp_size)
-        sched = SchedulerConfig(
-            max_num_batched_tokens=max(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs),
-            max_num_seqs=self.cfg.max_num_seqs, max_model_len=max_len,
-            max_inflight_steps=shape.num_stages, max_queued_requests=self.cfg.max_queued_requests,
-            max_queued_tokens=self.cfg.max_queued_tokens)
-        return Scheduler(sched, kv)
+        """Raises CapacityError when a flag exceeds what the stages reported."""
+        self._capacity = plan_capacity(self.cfg, self.model, shape)
+        return Scheduler(self._capacity.scheduler, self._capacity.kv)
 
     async def start(self) -> str:
+        """Serve health at once, then wait for the stages. Returns the bound address.
+
+        Raises ListenError (the port), PipelineError (the stages did not come up within the
+        startup budget) or CapacityError (a flag exceeds a stage's capacity), with everything
+        it started stopped again.
+        """
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._set_health(live=True, ready=False)
@@ -92,7 +80,16 @@ class RouterApp:
         address = f"{self.cfg.host}:{port}"
         log.info("router listening on %s; waiting for %d stage(s)", address,
                  len(self.cfg.stage_addresses))
-        await self.engine.start(self.cfg.startup_budget_s)
+        try:
+            shape = await self.engine.start(self.cfg.startup_budget_s)
+        except BaseException:
+            await self.server.stop(grace=None)
+            await self.engine.pipeline.close(drain=False)
+            raise
+        assert self._capacity is not None
+        self.served.set_result(ServedModel(
+            self.cfg.model_name, self._capacity.limits, shape.dtype, shape.tp_size,
+            shape.num_stages, shape.block_size))
         self._watcher = asyncio.create_task(self._watch_readiness())
         return address
 
@@ -121,6 +118,8 @@ class RouterApp:
         await self.engine.stop()
         await self.server.stop(grace=1.0)
         await self.engine.pipeline.close(drain=True)
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
@@ -129,16 +128,10 @@ async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        address = await app.start()
-    except PipelineError:
-        await app.server.stop(grace=None)
-        raise
+    address = await app.start()
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             f.write(address)
-        import os
-
         os.replace(ready_file + ".tmp", ready_file)
     await stop.wait()
     log.info("draining")
@@ -160,6 +153,9 @@ def run_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
         log.error("%s. Check that every stage in --stages is running and reachable, in "
                   "pipeline order, with matching TLS settings; --startup-budget sets the wait.",
                   e)
+        return 1
+    except CapacityError as e:
+        log.error("%s", e)
         return 1
     except ListenError as e:
         log.error("%s", e)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from router.requests import FinishReason
+from router.scheduler import FinishReason
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ Imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from foundation.sampling_params import SamplingParams
 
@@ -45,19 +44,6 @@ class ChatPrompt:
 
 
 PromptInput = TextPrompt | TokenPrompt | ChatPrompt
-
-
-class FinishReason(Enum):
-    """Why a request's output ended, as the client sees it (OpenAI's `finish_reason`).
-
-    The scheduler has its own, finer enum (`router.scheduler.FinishReason`, which tells a stop
-    token from a stop string); STOP covers both here.
-    """
-
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens reached, or the model's context is full
-    ABORT = "abort"  # client cancel, deadline, disconnect
-    ERROR = "error"  # the server failed the request (e.g. a stage down past the budget)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,15 @@
 """The public InferenceService: a thin skin over the engine. Protos are converted in
-`router.convert`; exceptions become statuses in `router.errors`."""
+`router.convert`; exceptions become statuses in `router.errors`.
+
+The gRPC server (with health) is up while the pipeline starts, but what the service answers
+with (the request limits, the model's context) depends on what the stages report. So the
+servicer is handed a future of the `ServedModel`, built once from the pipeline's shape and
+never changed; until it resolves, calls get UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -22,37 +29,43 @@ from router.validation import validate_prompt, validate_request
 
 @dataclass(frozen=True)
 class ServedModel:
+    """What this router serves, once the stages reported: the name clients use, the limits
+    a request is checked against, and the pipeline's layout for GetModelInfo."""
+
     name: str
+    limits: RequestLimits
     dtype: str
     tp_size: int
+    num_stages: int
+    block_size: int
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, limits: RequestLimits,
-                 model: ServedModel) -> None:
+    def __init__(self, engine: Engine, tokenizer: ModelTokenizer,
+                 served: asyncio.Future[ServedModel]) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.limits = limits
-        self.model = model
+        self._served = served
         self.draining = False
 
-    def _check_model(self, name: str) -> None:
-        if name and name != self.model.name:
-            raise ModelNotFoundError(f"model {name!r} is not served here (this router serves "
-                                     f"{self.model.name!r})")
+    def _model(self, requested: str = "") -> ServedModel:
+        """The served model; UNAVAILABLE while starting, NOT_FOUND for another name."""
+        if not self._served.done():
+            raise UnavailableError("the router is starting: its pipeline is not up yet")
+        served = self._served.result()
+        if requested and requested != served.name:
+            raise ModelNotFoundError(f"model {requested!r} is not served here (this router "
+                                     f"serves {served.name!r})")
+        return served
 
     @stream_errors
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        self._check_model(request.model)
+        served = self._model(request.model)
         if self.draining:
             raise UnavailableError("the router is draining; retry on another replica")
-        req = validate_request(generate_from_proto(request), self.limits, self.tokenizer)
-        try:
-            stream = self.engine.submit(req)
-        except RuntimeError as e:
-            raise UnavailableError(str(e)) from e
-        async for items in stream:
+        req = validate_request(generate_from_proto(request), served.limits, self.tokenizer)
+        async for items in self.engine.submit(req):
             for item in items:
                 if isinstance(item, ChoiceDelta):
                     yield delta_to_proto(req.request_id, item)
@@ -64,8 +77,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        self._check_model(request.model)
-        ids = validate_prompt(prompt_from_proto(request), self.limits, self.tokenizer)
+        served = self._model(request.model)
+        ids = validate_prompt(prompt_from_proto(request), served.limits, self.tokenizer)
         tokens = [self.tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens,
                                    prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -73,22 +86,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     @unary_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
-        shape = self.engine.pipeline.shape
+        served = self._model()
+        limits = served.limits
         return pb.GetModelInfoResponse(
-            model=self.model.name, context_length=self.limits.max_model_len,
-            vocab_size=self.limits.vocab_size,
-            num_stages=len(self.engine.pipeline.stages),
-            tp_size=shape.tp_size if shape else self.model.tp_size,
-            block_size=shape.block_size if shape else 0, dtype=self.model.dtype,
-            max_tokens_limit=self.limits.max_tokens_cap, max_n=self.limits.max_n,
-            max_logprobs=self.limits.max_logprobs,
+            model=served.name, context_length=limits.max_model_len,
+            vocab_size=limits.vocab_size, num_stages=served.num_stages,
+            tp_size=served.tp_size, block_size=served.block_size, dtype=served.dtype,
+            max_tokens_limit=limits.max_tokens_cap, max_n=limits.max_n,
+            max_logprobs=limits.max_logprobs,
         )
 
     @unary_errors
     async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        self._model()
         stats = self.engine.scheduler.stats()
         kv = stats.kv
+        ready = self.engine.pipeline.state is PipelineState.READY
         stages = []
         for i, info in enumerate(await self.engine.pipeline.stage_stats()):
             if info is None:
@@ -97,8 +111,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             stages.append(pb.StageStats(
                 stage=i, layer_start=info.layer_start, layer_end=info.layer_end,
                 kv_blocks_used=info.kv_blocks_used, kv_blocks_total=info.num_kv_blocks,
-                num_sequences=info.num_sequences,
-                ready=self.engine.pipeline.state is PipelineState.READY))
+                num_sequences=info.num_sequences, ready=ready))
         hit = kv.prefix_hit_tokens / kv.prefix_query_tokens if kv.prefix_query_tokens else 0.0
         return pb.GetStatsResponse(
             num_waiting=stats.num_waiting, num_running=stats.num_running,

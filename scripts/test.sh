@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv, fetches and imports the default model, runs lint, types
-# and the CPU test suite. GPU tests (marker `gpu`) are skipped without a CUDA device.
+# The test command: sets up .venv, fetches and imports the default model, runs lint, types,
+# the layers contract (import-linter, [tool.importlinter] in pyproject.toml) and the CPU test
+# suite. GPU tests (marker `gpu`) are skipped without a CUDA device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh dev,gguf
 .venv/bin/stagemesh fetch-model
 .venv/bin/ruff check .
 .venv/bin/mypy
+.venv/bin/lint-imports --no-cache
 # pytest exits 5 when it collected nothing: that is a failure here too.
 set +e
 .venv/bin/python -m pytest -q "$@"

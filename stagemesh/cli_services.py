@@ -277,7 +277,7 @@ def _add_serve(commands: SubParsers) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from stagemesh.launcher import launch
 
-    return launch(args)
+    return launch(args, api_keys(args))
 
 
 def _add_gateway(commands: SubParsers) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from foundation.modelstore import resolve_model
 from foundation.ports import free_port
-from stagemesh.cli_services import api_keys
 
 READY_TIMEOUT_S = 600.0
 
@@ -86,7 +85,9 @@ def _stage_flags(args: argparse.Namespace, device: str, stages_on_device: int) -
     return flags
 
 
-def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
+def build_children(args: argparse.Namespace, workdir: Path,
+                   api_keys: frozenset[str] = frozenset()) -> list[Child]:
+    """`api_keys`: accepted by the router and the gateway (the gateway presents one)."""
     py = [sys.executable, "-m", "stagemesh"]
     model = str(resolve_model(args.model))
     children = []
@@ -116,7 +117,7 @@ def build_children(args: argparse.Namespace, workdir: Path) -> list[Child]:
         router.append("--no-prefix-caching")
     # API keys travel in the environment, not in argv (which `ps` shows): the router and the
     # gateway accept the same keys; the gateway presents one of them to the router.
-    keys = sorted(api_keys(args))
+    keys = sorted(api_keys)
     key_env = {"STAGEMESH_API_KEYS": ",".join(keys)} if keys else {}
     children.append(Child("router", router, workdir / "router", restart=False, env=key_env))
     if args.gateway_port:
@@ -160,7 +161,7 @@ def _stop(children: list[Child], timeout_s: float = 40.0) -> None:
                 c.proc.wait()
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace, api_keys: frozenset[str] = frozenset()) -> int:
     stop = {"signal": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -169,7 +170,7 @@ def launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     with tempfile.TemporaryDirectory(prefix="stagemesh-") as tmp:
-        children = build_children(args, Path(tmp))
+        children = build_children(args, Path(tmp), api_keys)
         try:
             for c in children:
                 c.start()

@@ -16,7 +16,7 @@ from grpc.aio import AioRpcError, Metadata
 from gateway.app import GatewayApp, Running
 from gateway.config import GatewayConfig
 from gateway.generate import GenerateHandler
-from gateway.served import ServedModel
+from gateway.served import ModelViewLoader
 from protos.stagemesh.v1 import inference_pb2 as pb
 from router.client import Chunk
 
@@ -56,7 +56,7 @@ def _app(fake: FakeRouter, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> G
     cfg = GatewayConfig()
     app = GatewayApp(cfg)
     client: Any = fake  # duck-types the RouterClient methods the gateway calls
-    served = ServedModel(client, cfg)
+    served = ModelViewLoader(client, cfg)
     app._running = Running(client, served, GenerateHandler(cfg, client, served, app.metrics))
     return app
 

@@ -17,6 +17,8 @@ from tests.mesh.harness import Mesh, readiness
 
 pytestmark = pytest.mark.slow
 
+LONG = 60  # tokens of the request in flight during the drain
+
 
 def _children(pid: int) -> list[int]:
     kids = []
@@ -48,26 +50,43 @@ def test_sigterm_drains_then_stops_every_process() -> None:
             pids += _children(mesh.pids[stage])  # the TP rank processes
         assert len(pids) >= 6  # launcher, router, 2 stage leaders, 2 TP ranks
 
-        async def run() -> tuple[str | None, grpc.StatusCode, int]:
+        async def run() -> tuple[str | None, grpc.StatusCode, int, int, int]:
+            """SIGTERM once the long request streams; once readiness is NOT_SERVING, the
+            router's own count of running sequences shows the request is still in flight."""
             async with RouterClient(mesh.address) as client:
-                long = asyncio.create_task(client.complete(
-                    prompt="Once upon a time", max_tokens=60, ignore_eos=True, temperature=0.0))
-                await asyncio.sleep(1.0)
+                received = 0
+                first = asyncio.Event()
+                finish: list[str | None] = []
+
+                async def long() -> None:
+                    nonlocal received
+                    async for chunk in client.generate(prompt="Once upon a time",
+                                                       max_tokens=LONG, ignore_eos=True,
+                                                       temperature=0.0):
+                        received += len(chunk.token_ids)
+                        first.set()
+                        if chunk.finish_reason is not None:
+                            finish.append(chunk.finish_reason)
+
+                task = asyncio.create_task(long())
+                await first.wait()
                 os.kill(mesh.pids["router"], signal.SIGTERM)
-                await asyncio.sleep(0.3)
-                status = readiness(mesh.address)
+                while (status := readiness(mesh.address)) != 2:
+                    await asyncio.sleep(0.05)
+                running_at_drain = (await client.stats()).num_running
                 try:
                     await client.complete(prompt="late", max_tokens=4)
                     late = grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as e:
                     late = e.code()
-                out = await long
-                return out.finish_reasons[0], late, status
+                await task
+                return (finish[0] if finish else None), late, status, running_at_drain, received
 
-        finished, late, status = asyncio.run(run())
+        finished, late, status, running_at_drain, total = asyncio.run(run())
         assert status == 2  # NOT_SERVING at once
         assert late == grpc.StatusCode.UNAVAILABLE
-        assert finished == "length"  # the in-flight request finished
+        assert running_at_drain == 1  # the request was in flight while the router drained
+        assert (finished, total) == ("length", LONG)  # and it finished whole
     finally:
         mesh.close()
     deadline = time.monotonic() + 30

@@ -1,0 +1,96 @@
+"""The scheduler's StepPlan -> the internal StageService protos, and stage answers -> domain
+objects. The only router module that builds or reads stage protos (besides the stage client
+that sends them).
+
+Each stage gets only what it reads: the first stage its inputs (token ids), the last its
+token ids (penalties, seeded draws) and sampling settings; a middle stage only block tables
+and counts.
+"""
+
+from __future__ import annotations
+
+from foundation.sampling_params import SamplingParams
+from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from router.outputs import TokenLogprob
+from router.pipeline.outcome import StepOutcome
+from router.pipeline.shape import StageInfo
+from router.scheduler import StepPlan
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def plan_to_protos(plan: StepPlan, num_stages: int) -> list[pb.StepPlan]:
+    """One message per stage, in pipeline order (the same object where two stages read the
+    same fields): token ids and sampling settings travel to the first and the last stage."""
+    full = _plan_to_proto(plan, with_tokens=True)
+    if num_stages <= 2:
+        return [full] * num_stages
+    lean = _plan_to_proto(plan, with_tokens=False)
+    return [full, *[lean] * (num_stages - 2), full]
+
+
+def _plan_to_proto(plan: StepPlan, with_tokens: bool) -> pb.StepPlan:
+    new = [
+        pb.NewSequence(
+            seq_id=s.seq_id, token_ids=s.token_ids if with_tokens else (),
+            prompt_len=s.prompt_len, block_ids=s.block_ids,
+            num_computed=s.num_computed_tokens, num_new=s.num_new_tokens, sample=s.sample,
+            sampling=sampling_to_proto(s.sampling)
+            if with_tokens and isinstance(s.sampling, SamplingParams) else None,
+        )
+        for s in plan.new_seqs
+    ]
+    cached = [
+        pb.CachedSequence(seq_id=s.seq_id, new_block_ids=s.new_block_ids,
+                          num_computed=s.num_computed_tokens, num_new=s.num_new_tokens,
+                          append_token_ids=s.new_token_ids if with_tokens else (),
+                          sample=s.sample)
+        for s in plan.cached_seqs
+    ]
+    copies = [pb.BlockCopy(src=c.src_block_id, dst=c.dst_block_id) for c in plan.block_copies]
+    return pb.StepPlan(step_id=plan.step_id, new_seqs=new, cached_seqs=cached,
+                       free_seq_ids=plan.freed_seq_ids, block_copies=copies)
+
+
+def outcome_from_result(result: pb.StepResult) -> StepOutcome:
+    """The last stage's sampled tokens and their logprob records, keyed by sequence."""
+    tokens: dict[int, int] = {}
+    logprobs: dict[int, TokenLogprob] = {}
+    for t in result.tokens:
+        tokens[t.seq_id] = t.token_id
+        top = tuple(zip(t.top_token_ids, t.top_logprobs, strict=True))
+        logprobs[t.seq_id] = TokenLogprob(t.token_id, t.logprob, top)
+    return StepOutcome(result.step_id, tokens, logprobs)
+
+
+def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:
+    return StageInfo(
+        stage_index=msg.stage_index, num_stages=msg.num_stages, layer_start=msg.layer_start,
+        layer_end=msg.layer_end, device=msg.device, dtype=msg.dtype, tp_size=msg.tp_size,
+        num_kv_blocks=msg.num_kv_blocks, block_size=msg.block_size, vocab_size=msg.vocab_size,
+        max_num_batched_tokens=msg.max_num_batched_tokens, max_num_seqs=msg.max_num_seqs,
+        model_impl=msg.model_impl, kv_blocks_used=msg.kv_blocks_used,
+        num_sequences=msg.num_sequences)
+
+
+def listen_request(epoch: int, token: bytes, host: str) -> pb.ConnectRequest:
+    """Ask a stage to listen for its upstream neighbour; `host` is the router's name for it."""
+    return pb.ConnectRequest(role=pb.LINK_ROLE_LISTEN_UPSTREAM, transport=pb.TRANSPORT_TCP,
+                             address=host, link_token=token, epoch=epoch)
+
+
+def connect_request(epoch: int, token: bytes, address: str) -> pb.ConnectRequest:
+    """Ask a stage to dial its downstream neighbour's listener at `address` (host:port)."""
+    return pb.ConnectRequest(role=pb.LINK_ROLE_CONNECT_DOWNSTREAM, transport=pb.TRANSPORT_TCP,
+                             address=address, link_token=token, epoch=epoch)

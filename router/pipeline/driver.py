@@ -1,0 +1,176 @@
+"""The router's side of the pipeline: one control channel and one Run stream per stage.
+
+`Pipeline.start()` describes every stage, checks they form one pipeline, links the data
+plane (each stage i > 0 listens, stage i-1 connects to it, with a fresh token per link) and
+opens the Run streams. Plans go down every stream, each stage getting what it reads
+(`router.pipeline.convert`); answers come up, the last stage's with sampled tokens. Any
+broken stream, stage error or step past its timeout marks the pipeline down; `start()` again
+brings it back with a new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from enum import Enum
+
+import grpc
+
+from router.pipeline.convert import plan_to_protos
+from router.pipeline.outcome import StepOutcome
+from router.pipeline.shape import PipelineError, PipelineShape, StageInfo, check_shape
+from router.pipeline.stage_client import StageClient, describe_error
+from router.scheduler import StepPlan
+
+log = logging.getLogger("stagemesh.router")
+
+
+class PipelineState(Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DOWN = "down"
+
+
+OutcomeHandler = Callable[[StepOutcome], None]
+FailureHandler = Callable[[str], None]
+
+
+def _ignore_outcome(outcome: StepOutcome) -> None:
+    pass
+
+
+def _ignore_failure(reason: str) -> None:
+    pass
+
+
+class Pipeline:
+    """Drives the stages' Run streams. Single event loop; not thread-safe.
+
+    on_outcome: called with the last stage's answer to every plan, in step order.
+    on_failure: called once when the pipeline goes down, with the reason.
+    """
+
+    def __init__(self, addresses: list[str], connect_timeout_s: float = 10.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        if not addresses:
+            raise PipelineError("a pipeline needs at least one stage address")
+        last = len(addresses) - 1
+        self.stages = [StageClient(i, a, i == last, credentials)
+                       for i, a in enumerate(addresses)]
+        self.on_outcome: OutcomeHandler = _ignore_outcome
+        self.on_failure: FailureHandler = _ignore_failure
+        self.connect_timeout_s = connect_timeout_s
+        self.state = PipelineState.STARTING
+        self.shape: PipelineShape | None = None
+        self.epoch = 0
+        self._readers: list[asyncio.Task[None]] = []
+
+    async def start(self, budget_s: float) -> PipelineShape:
+        """Describe, validate, link and open streams, retrying until `budget_s` runs out.
+
+        After the first start, a stage that comes back smaller than the pipeline was started
+        with (fewer KV blocks, a smaller step) is refused like a stage that is not back.
+        Raises PipelineError naming the stage that never answered or does not fit.
+        """
+        deadline = time.monotonic() + budget_s
+        next_log = 0.0
+        while True:
+            try:
+                return await self._start_once()
+            except (grpc.aio.AioRpcError, PipelineError) as e:
+                if time.monotonic() >= deadline:
+                    raise PipelineError(f"pipeline did not come up within {budget_s:.0f}s: "
+                                        f"{describe_error(e)}") from e
+                if time.monotonic() >= next_log:  # progress, not a line per retry
+                    log.info("waiting for stages (%s); %.0fs left", describe_error(e),
+                             deadline - time.monotonic())
+                    next_log = time.monotonic() + 10.0
+                await asyncio.sleep(0.5)
+
+    async def _start_once(self) -> PipelineShape:
+        self._close_streams()
+        infos = await asyncio.gather(*(s.describe(self.connect_timeout_s) for s in self.stages))
+        shape = check_shape(list(infos))
+        if self.shape is not None and (short := shape.covers(self.shape)) is not None:
+            raise PipelineError(short)
+        self.shape = self.shape or shape
+        self.epoch += 1
+        await self._link()
+        for stage in self.stages:
+            stage.open_run()
+        self._readers = [asyncio.create_task(self._read(s, self.epoch)) for s in self.stages]
+        self.state = PipelineState.READY
+        log.info("pipeline ready (epoch %d): %d stage(s), %d KV blocks of %d tokens, steps "
+                 "up to %d tokens / %d sequences", self.epoch, shape.num_stages,
+                 shape.num_kv_blocks, shape.block_size, shape.max_num_batched_tokens,
+                 shape.max_num_seqs)
+        return self.shape
+
+    async def _link(self) -> None:
+        """Stage i+1 listens, stage i connects: a fresh token per link, per epoch."""
+        for up, down in zip(self.stages, self.stages[1:], strict=False):
+            token = secrets.token_bytes(32)
+            address = await down.listen(self.epoch, token, self.connect_timeout_s)
+            await up.connect(self.epoch, token, address, self.connect_timeout_s)
+
+    async def send(self, plan: StepPlan) -> None:
+        """Write one plan to every stage's stream (in pipeline order); a broken stream marks
+        the pipeline down."""
+        if self.state is not PipelineState.READY:
+            raise PipelineError("pipeline is not ready")
+        messages = plan_to_protos(plan, len(self.stages))
+        try:
+            await asyncio.gather(*(stage.write(msg)
+                                   for stage, msg in zip(self.stages, messages, strict=True)))
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            self.mark_down(f"sending step {plan.step_id}: {describe_error(e)}")
+
+    async def _read(self, stage: StageClient, epoch: int) -> None:
+        try:
+            while True:
+                answer = await stage.read()
+                if answer.error:
+                    raise PipelineError(answer.error)
+                if answer.outcome is not None:
+                    self.on_outcome(answer.outcome)
+        except asyncio.CancelledError:
+            raise
+        except (grpc.aio.AioRpcError, PipelineError) as e:
+            if epoch == self.epoch and self.state is PipelineState.READY:
+                self.mark_down(f"stage {stage.index} ({stage.address}): {describe_error(e)}")
+
+    def mark_down(self, reason: str) -> None:
+        if self.state is PipelineState.DOWN:
+            return
+        log.error("pipeline down: %s", reason)
+        self.state = PipelineState.DOWN
+        self.on_failure(reason)
+
+    def _close_streams(self) -> None:
+        for task in self._readers:
+            task.cancel()
+        for stage in self.stages:
+            stage.close_run()
+        self._readers = []
+
+    async def stage_stats(self, timeout_s: float = 2.0) -> list[StageInfo | None]:
+        """Live Describe of every stage (None for a stage that does not answer)."""
+        async def one(stage: StageClient) -> StageInfo | None:
+            try:
+                return await stage.describe(timeout_s)
+            except PipelineError:
+                return None
+        return list(await asyncio.gather(*(one(s) for s in self.stages)))
+
+    async def close(self, drain: bool = True) -> None:
+        self.state = PipelineState.DOWN
+        self._close_streams()
+        for stage in self.stages:
+            if drain:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await stage.drain(timeout_s=2.0)
+            await stage.close()

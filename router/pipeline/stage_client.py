@@ -1,0 +1,106 @@
+"""The control channel to one stage: Describe, Connect, the Run stream, Drain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from protos.stagemesh.stage.v1 import stage_pb2_grpc
+from router.pipeline.convert import (
+    connect_request,
+    info_from_describe,
+    listen_request,
+    outcome_from_result,
+)
+from router.pipeline.outcome import StepOutcome
+from router.pipeline.shape import PipelineError, StageInfo
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.keepalive_time_ms", 10_000),
+                   ("grpc.keepalive_timeout_ms", 5_000)]
+
+
+@dataclass(frozen=True, slots=True)
+class StageAnswer:
+    """One StepResult as the driver reads it: the outcome only from the last stage."""
+
+    step_id: int
+    error: str
+    outcome: StepOutcome | None
+
+
+class StageClient:
+    """One stage's control channel. Single event loop; not thread-safe."""
+
+    def __init__(self, index: int, address: str, is_last: bool,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.index = index
+        self.address = address
+        self.is_last = is_last
+        self.channel = (grpc.aio.secure_channel(address, credentials, CHANNEL_OPTIONS)
+                        if credentials is not None
+                        else grpc.aio.insecure_channel(address, CHANNEL_OPTIONS))
+        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+        self._run: grpc.aio.StreamStreamCall | None = None
+
+    async def describe(self, timeout_s: float) -> StageInfo:
+        """The stage's identity and capacity; an unreachable stage raises PipelineError
+        naming it."""
+        try:
+            return info_from_describe(await self.stub.Describe(pb.DescribeRequest(),
+                                                               timeout=timeout_s))
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"stage {self.index} at {self.address}: "
+                                f"{describe_error(e)}") from e
+
+    async def listen(self, epoch: int, token: bytes, timeout_s: float) -> str:
+        """Make this stage listen for its upstream neighbour; returns the host:port to dial."""
+        host = self.address.rpartition(":")[0] or "127.0.0.1"
+        reply = await self.stub.Connect(listen_request(epoch, token, host), timeout=timeout_s)
+        return str(reply.address)
+
+    async def connect(self, epoch: int, token: bytes, address: str, timeout_s: float) -> None:
+        """Make this stage dial its downstream neighbour at `address`."""
+        await self.stub.Connect(connect_request(epoch, token, address), timeout=timeout_s)
+
+    def open_run(self) -> None:
+        """Open a new Run stream (the stage drops every sequence of an older one)."""
+        self.close_run()
+        self._run = self.stub.Run()
+
+    def close_run(self) -> None:
+        if self._run is not None:
+            self._run.cancel()
+            self._run = None
+
+    async def write(self, plan: pb.StepPlan) -> None:
+        """Raises grpc.aio.AioRpcError or asyncio.InvalidStateError on a broken stream."""
+        assert self._run is not None, "open_run() first"
+        await self._run.write(plan)
+
+    async def read(self) -> StageAnswer:
+        """The next StepResult. Raises PipelineError when the stage closed the stream."""
+        assert self._run is not None, "open_run() first"
+        msg = await self._run.read()
+        if msg is grpc.aio.EOF:
+            raise PipelineError(f"stage {self.index} closed its Run stream")
+        assert isinstance(msg, pb.StepResult)
+        outcome = outcome_from_result(msg) if self.is_last and not msg.error else None
+        return StageAnswer(msg.step_id, msg.error, outcome)
+
+    async def drain(self, timeout_s: float) -> None:
+        await self.stub.Drain(pb.DrainRequest(), timeout=timeout_s)
+
+    async def close(self) -> None:
+        self.close_run()
+        await self.channel.close()
+
+
+def describe_error(e: BaseException) -> str:
+    """A one-line account of a failed call or pipeline error."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)

@@ -1,0 +1,114 @@
+"""The pipeline driver against real in-process stage servicers (null model): the shape it
+derives from Describe, what each stage is sent, and a restarted stage that came back smaller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from foundation.ports import free_port
+from foundation.sampling_params import SamplingParams
+from router.pipeline import Pipeline, PipelineError
+from router.pipeline.convert import plan_to_protos
+from router.scheduler import CachedSeq, NewSeq, StepPlan
+from tests.default_model import default_model_dir
+from tests.router.inprocess import stage_configs, start_stage
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return default_model_dir()
+
+
+def test_each_stage_gets_what_it_reads() -> None:
+    plan = StepPlan(
+        step_id=7,
+        new_seqs=(NewSeq(seq_id=1, token_ids=(5, 6, 7), prompt_len=3,
+                         sampling=SamplingParams(temperature=0.0, seed=3), block_ids=(0,),
+                         num_computed_tokens=0, num_new_tokens=3, sample=True),),
+        cached_seqs=(CachedSeq(2, (4,), 16, 1, (9,), None, True),),
+        finished_seq_ids=(3,))
+    first, middle, last = plan_to_protos(plan, 3)
+    for msg in (first, last):
+        assert list(msg.new_seqs[0].token_ids) == [5, 6, 7]
+        assert list(msg.cached_seqs[0].append_token_ids) == [9]
+        assert msg.new_seqs[0].sampling.seed == 3
+    assert list(middle.new_seqs[0].token_ids) == [] and not middle.new_seqs[0].HasField(
+        "sampling")
+    assert list(middle.cached_seqs[0].append_token_ids) == []
+    for msg in (first, middle, last):  # what every stage needs
+        assert msg.step_id == 7 and list(msg.free_seq_ids) == [3]
+        assert list(msg.new_seqs[0].block_ids) == [0] and msg.new_seqs[0].prompt_len == 3
+        assert list(msg.cached_seqs[0].new_block_ids) == [4]
+        assert (msg.cached_seqs[0].num_computed, msg.cached_seqs[0].num_new) == (16, 1)
+    assert plan_to_protos(plan, 1) == [first]
+
+
+def test_shape_is_the_minimum_and_names_the_limiting_stage(model_dir: Path) -> None:
+    base = stage_configs(model_dir, 3, model_impl="null", num_blocks=400)
+    configs = [base[0], replace(base[1], num_blocks=100, max_num_seqs=32),
+               replace(base[2], max_num_batched_tokens=1024)]
+
+    async def run() -> None:
+        stages = [await start_stage(c) for c in configs]
+        pipeline = Pipeline([s.address for s in stages])
+        try:
+            shape = await pipeline.start(10)
+            assert (shape.num_kv_blocks, shape.max_num_seqs, shape.max_num_batched_tokens) \
+                == (100, 32, 1024)
+            assert shape.limiting_stage == {"num_kv_blocks": 1, "max_num_seqs": 1,
+                                            "max_num_batched_tokens": 2}
+            assert shape.model_impl == "null" and shape.num_stages == 3
+        finally:
+            await pipeline.close()
+            for stage in stages:
+                await stage.stop()
+
+    asyncio.run(run())
+
+
+def test_a_stage_that_comes_back_smaller_is_refused(model_dir: Path) -> None:
+    configs = [replace(c, port=free_port())
+               for c in stage_configs(model_dir, 2, model_impl="null", num_blocks=400)]
+
+    async def run() -> None:
+        stages = [await start_stage(c) for c in configs]
+        pipeline = Pipeline([s.address for s in stages])
+        try:
+            await pipeline.start(10)
+            await stages[1].stop()  # "restarted" with a smaller pool on the same address
+            stages[1] = await start_stage(replace(configs[1], num_blocks=100))
+            with pytest.raises(PipelineError, match=r"stage 1 now reports num_kv_blocks 100, "
+                                                    r"the pipeline was started with 400"):
+                await pipeline.start(5.0)
+            await stages[1].stop()  # back at its old size: accepted
+            stages[1] = await start_stage(configs[1])
+            assert (await pipeline.start(10)).num_kv_blocks == 400
+        finally:
+            await pipeline.close()
+            for stage in stages:
+                await stage.stop()
+
+    asyncio.run(run())
+
+
+def test_stages_out_of_order_are_refused(model_dir: Path) -> None:
+    configs = stage_configs(model_dir, 2, model_impl="null", num_blocks=64)
+
+    async def run() -> None:
+        stages = [await start_stage(c) for c in configs]
+        pipeline = Pipeline([stages[1].address, stages[0].address])
+        try:
+            with pytest.raises(PipelineError, match="reports itself as stage 1 of 2, "
+                                                    "expected 0 of 2"):
+                await pipeline.start(0.5)
+        finally:
+            await pipeline.close(drain=False)
+            for stage in stages:
+                await stage.stop()
+
+    asyncio.run(run())
