@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
-from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan, StepOutcome
+from stage_worker.plan import StageCachedSeq, StageNewSeq, StageOutcome, StagePlan
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -33,7 +33,7 @@ def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
     return StagePlan(msg.step_id, new, cached, tuple(msg.free_seq_ids), copies)
 
 
-def outcome_to_proto(outcome: StepOutcome) -> pb.StepResult:
+def outcome_to_proto(outcome: StageOutcome) -> pb.StepResult:
     tokens = [
         pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
                         top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs)

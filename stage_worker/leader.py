@@ -13,7 +13,7 @@ import torch
 
 from stage_worker import tp_fanout
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks
-from stage_worker.plan import StagePlan, StepOutcome
+from stage_worker.plan import StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 
 
@@ -44,7 +44,7 @@ class StageLeader:
         down_ok = self.rank.is_last or self.links.has_downstream
         return up_ok and down_ok
 
-    def run_step(self, plan: StagePlan) -> StepOutcome:
+    def run_step(self, plan: StagePlan) -> StageOutcome:
         """Run one step on every TP rank; send the activations on, or sample.
 
         Raises:
@@ -65,7 +65,7 @@ class StageLeader:
             self.links.send(plan.step_id, [out])
         elif out is not None:
             tokens = rank.sample(chunks, out)
-        return StepOutcome(plan.step_id, tuple(tokens), rank.held.kv_blocks_used,
+        return StageOutcome(plan.step_id, tuple(tokens), rank.held.kv_blocks_used,
                            len(rank.held.seqs))
 
     def _receive(self, plan: StagePlan) -> torch.Tensor:

@@ -69,7 +69,7 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
-class StepOutcome:
+class StageOutcome:
     """What a stage reports after a step."""
 
     step_id: int
