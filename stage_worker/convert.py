@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
+
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from stage_worker.plan import StageCachedSeq, StageNewSeq, StageOutcome, StagePlan
@@ -34,14 +38,26 @@ def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
 
 
 def outcome_to_proto(outcome: StageOutcome) -> pb.StepResult:
-    tokens = [
+    """The sampled tokens as packed little-endian int64 arrays; a SampledToken message only
+    for the sequences that asked for log probabilities."""
+    logprobs = [
         pb.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
                         top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs)
-        for t in outcome.tokens
+        for t in outcome.logprobs
     ]
-    return pb.StepResult(step_id=outcome.step_id, tokens=tokens,
+    return pb.StepResult(step_id=outcome.step_id, tokens=logprobs,
                          kv_blocks_used=outcome.kv_blocks_used,
-                         num_sequences=outcome.num_sequences)
+                         num_sequences=outcome.num_sequences,
+                         sampled_seq_ids=pack_int64(outcome.seq_ids),
+                         sampled_token_ids=pack_int64(outcome.token_ids))
+
+
+def pack_int64(values: Sequence[int]) -> bytes:
+    """`values` as little-endian int64, 8 bytes each."""
+    packed = array("q", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def error_to_proto(step_id: int, message: str) -> pb.StepResult:

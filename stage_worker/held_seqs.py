@@ -8,6 +8,7 @@ outputs) keep token ids; a middle stage keeps block tables and counts only.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from foundation.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ class HeldSeq:
     num_outputs: int  # tokens generated so far: the index of the next sampled token
     sampling: SamplingParams | None  # last stage only
     output_ids: list[int] = field(default_factory=list)  # outputs (last stage only)
+    last_sample_step: int = -1  # the step that sampled output_ids[-1] (last stage only)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -83,11 +85,16 @@ class HeldSeqs:
             input_ids += state.token_ids[cached.num_computed:cached.num_computed + cached.num_new]
         return chunks, input_ids
 
-    def record_sampled(self, seq_id: int, token_id: int) -> None:
-        """The last stage sampled `token_id` for `seq_id` (for penalties and seeds)."""
-        state = self.seqs[seq_id]
-        state.output_ids.append(token_id)
-        state.num_outputs += 1
+    def record_sampled(self, step_id: int, seq_ids: Sequence[int],
+                       token_ids: Sequence[int]) -> None:
+        """The last stage sampled `token_ids[i]` for `seq_ids[i]` at `step_id` (penalties
+        and seeded draws read them; a run-ahead input names the step)."""
+        seqs = self.seqs
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+            state = seqs[seq_id]
+            state.output_ids.append(token_id)
+            state.num_outputs += 1
+            state.last_sample_step = step_id
 
     def free(self, seq_id: int) -> None:
         """Forget a sequence (unknown ids are ignored: frees are idempotent)."""

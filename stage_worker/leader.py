@@ -13,8 +13,9 @@ import torch
 
 from stage_worker import tp_fanout
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks
-from stage_worker.plan import StageOutcome, StagePlan
+from stage_worker.plan import SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
+from stage_worker.step_input import SeqChunk
 
 
 class ActivationMismatchError(ValueError):
@@ -58,15 +59,30 @@ class StageLeader:
         upstream = None if rank.is_first else self._receive(plan)
         tp_fanout.send_plan(rank.tp, plan)
         chunks, out = rank.step(plan, upstream)
-        tokens = []
-        if not rank.is_last:
-            if out is None:  # nothing computed: the next stage still expects this step
-                out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
-            self.links.send(plan.step_id, [out])
-        elif out is not None:
-            tokens = rank.sample(chunks, out)
-        return StageOutcome(plan.step_id, tuple(tokens), rank.held.kv_blocks_used,
-                           len(rank.held.seqs))
+        if rank.is_last:
+            return self._sample(plan.step_id, chunks, out)
+        if out is None:  # nothing computed: the next stage still expects this step
+            out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
+        self.links.send(plan.step_id, [out])
+        return self._outcome(plan.step_id)
+
+    def _sample(self, step_id: int, chunks: list[SeqChunk],
+                scores: torch.Tensor | None) -> StageOutcome:
+        """Last stage: sample, wait once for the tokens' host copy, record them."""
+        rank = self.rank
+        if scores is None:
+            return self._outcome(step_id)
+        sample = rank.sample(chunks, scores)
+        token_ids, logprobs = sample.resolve()
+        rank.held.record_sampled(step_id, sample.seq_ids, token_ids)
+        return self._outcome(step_id, sample.seq_ids, tuple(token_ids), logprobs)
+
+    def _outcome(self, step_id: int, seq_ids: tuple[int, ...] = (),
+                 token_ids: tuple[int, ...] = (),
+                 logprobs: tuple[SampledToken, ...] = ()) -> StageOutcome:
+        held = self.rank.held
+        return StageOutcome(step_id, seq_ids, token_ids, logprobs, held.kv_blocks_used,
+                            len(held.seqs))
 
     def _receive(self, plan: StagePlan) -> torch.Tensor:
         """The step's activations [T, H] from upstream, checked against the plan."""

@@ -15,8 +15,8 @@ import torch
 
 from stage_worker.held_seqs import HeldSeq
 from stage_worker.partition import LayerRange
-from stage_worker.plan import SampledToken
 from stage_worker.step_input import SeqChunk
+from stage_worker.step_sampling import StepSample
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class ModelRunner(ABC):
       runner's `sample` reads (the torch model: fp32 logits [S, V]; no compute: [S, 0]).
     - `sample(seqs, scores)` (last stage, TP rank 0 only) picks one token per sampling
       chunk from `execute`'s scores and each sequence's sampling state (its params, prompt,
-      outputs and output count), in the same order; it records nothing.
+      outputs and output count), in the same order; it records nothing. The tokens stay on
+      the device, their host copy is under way (`StepSample.resolve` waits for it).
     """
 
     impl: str  # the name Describe reports: "llama" or "null"
@@ -80,4 +81,4 @@ class ModelRunner(ABC):
     def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
-    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> list[SampledToken]: ...
+    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample: ...

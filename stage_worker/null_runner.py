@@ -3,7 +3,7 @@
 No weights are loaded and no KV pool exists. Activations have the right shape and dtype
 (zeros out of the first stage, passed through by the others), and the last stage "samples"
 token (seq_id + tokens already output) mod vocab_size for every sampling sequence, so a
-client can check which step produced which token.
+client can check which step produced which token (log probability 0.0 where asked).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from stage_worker.held_seqs import HeldSeq
 from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
-from stage_worker.plan import SampledToken
 from stage_worker.step_input import SeqChunk
+from stage_worker.step_sampling import StepSample
 
 # Pool size a null stage announces when none is configured: blocks cost it nothing.
 NULL_NUM_BLOCKS = 1 << 16
@@ -50,6 +50,13 @@ class NullRunner(ModelRunner):
             return torch.zeros(len(inputs), self._shape.hidden_size, dtype=self._shape.dtype)
         return inputs
 
-    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> list[SampledToken]:
+    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample:
         vocab = self._shape.vocab_size
-        return [SampledToken(s.seq_id, (s.seq_id + s.num_outputs) % vocab) for s in seqs]
+        ids = torch.tensor([(s.seq_id + s.num_outputs) % vocab for s in seqs], dtype=torch.int64)
+        wants = [s.sampling.logprobs if s.sampling else None for s in seqs]
+        if all(k is None for k in wants):
+            return StepSample.of([s.seq_id for s in seqs], ids, wants)
+        n = len(seqs)  # asked-for logprobs are 0.0, with no alternatives
+        return StepSample.of([s.seq_id for s in seqs], ids, wants,
+                             (torch.zeros(n), torch.zeros(n, 0, dtype=torch.int64),
+                              torch.zeros(n, 0)))

@@ -30,14 +30,22 @@ class StageNewSeq:
 
 @dataclass(frozen=True)
 class StageCachedSeq:
-    """A sequence the stage holds, continued as a diff."""
+    """A sequence the stage holds, continued as a diff.
+
+    append_token_ids: tokens sampled since the previous plan (the first stage's inputs).
+    input_from_step: run-ahead: the step's one input is the token the last stage sampled
+        for this sequence at that step (it reaches the first stage over the data plane and
+        is appended to the history like `append_token_ids`, which is then empty); None
+        otherwise.
+    """
 
     seq_id: int
     new_block_ids: tuple[int, ...]
     num_computed: int
     num_new: int
-    append_token_ids: tuple[int, ...]  # tokens sampled since the previous plan
+    append_token_ids: tuple[int, ...]
     sample: bool
+    input_from_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,9 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class SampledToken:
+    """A sampled token with its log probability and the most likely alternatives (most
+    likely first); reported only for sequences whose sampling settings asked for them."""
+
     seq_id: int
     token_id: int
     logprob: float = 0.0
@@ -70,9 +81,21 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class StageOutcome:
-    """What a stage reports after a step."""
+    """What a stage reports after a step.
+
+    seq_ids / token_ids: on the last stage, the token sampled for every sampling sequence,
+        in batch order (aligned); empty elsewhere.
+    logprobs: one record per sampling sequence that asked for log probabilities.
+    """
 
     step_id: int
-    tokens: tuple[SampledToken, ...]
+    seq_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[SampledToken, ...]
     kv_blocks_used: int
     num_sequences: int
+
+    @property
+    def sampled(self) -> dict[int, int]:
+        """seq_id -> the token sampled for it."""
+        return dict(zip(self.seq_ids, self.token_ids, strict=True))

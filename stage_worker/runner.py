@@ -22,10 +22,9 @@ from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.parallel import TPGroup, shard_heads
 from stage_worker.partition import LayerRange
-from stage_worker.plan import SampledToken
 from stage_worker.sampling import Sampler
 from stage_worker.step_input import SeqChunk, build_context, sample_rows
-from stage_worker.step_sampling import sample_step
+from stage_worker.step_sampling import StepSample, sample_step
 
 log = logging.getLogger("stagemesh.runner")
 
@@ -167,7 +166,7 @@ class StageRunner(ModelRunner):
         rows = torch.tensor(sample_rows(chunks), dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden[rows])
 
-    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> list[SampledToken]:
+    def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample:
         """`scores`: the fp32 logits [S, V] `execute` returned; see `step_sampling`."""
         return sample_step(self.sampler, scores, seqs, self.model_cfg.vocab_size)
 

@@ -15,9 +15,10 @@ import torch
 from stage_worker.held_seqs import HeldSeqs
 from stage_worker.model_runner import ModelRunner
 from stage_worker.parallel import TPGroup
-from stage_worker.plan import SampledToken, StagePlan
+from stage_worker.plan import StagePlan
 from stage_worker.plan_check import StepLimits, check_plan
 from stage_worker.step_input import SeqChunk
+from stage_worker.step_sampling import StepSample
 
 
 class StageRank:
@@ -79,16 +80,11 @@ class StageRank:
                               device=shape.device)
         return self.tp.broadcast(buf)
 
-    def sample(self, chunks: Sequence[SeqChunk], scores: torch.Tensor) -> list[SampledToken]:
+    def sample(self, chunks: Sequence[SeqChunk], scores: torch.Tensor) -> StepSample:
         """Last stage, rank 0: pick a token for every sampling chunk (chunk order) from the
-        scores `step` returned, and record it on its sequence."""
-        seqs = [self.held.seqs[c.seq_id] for c in chunks if c.sample]
-        if not seqs:
-            return []
-        tokens = self.runner.sample(seqs, scores)
-        for t in tokens:
-            self.held.record_sampled(t.seq_id, t.token_id)
-        return tokens
+        scores `step` returned. The tokens' host copy is under way; the caller resolves it
+        and records the tokens (`held.record_sampled`)."""
+        return self.runner.sample([self.held.seqs[c.seq_id] for c in chunks if c.sample], scores)
 
     def reset(self) -> int:
         """Forget every sequence (the Run stream ended); returns how many there were."""

@@ -1,45 +1,83 @@
-"""One step's sampling on the last stage: held sequences + logits -> sampled tokens."""
+"""One step's sampling on the last stage: held sequences + logits -> sampled tokens.
+
+Sampling ends on the device: the token ids stay there (a one-stage pipeline's run-ahead
+inputs are read from them) and are copied to pinned host memory without blocking, with the
+log probabilities when some sequence asked for them. `StepSample.resolve()` is the step's
+one wait on the GPU.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from foundation.sampling_params import SamplingParams
 from stage_worker.held_seqs import HeldSeq
+from stage_worker.host_transfer import HostCopy
 from stage_worker.plan import SampledToken
-from stage_worker.sampling import Sampler, SamplerOutput, SamplingBatch
+from stage_worker.sampling import Sampler, SamplingBatch
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
+@dataclass(frozen=True)
+class StepSample:
+    """The tokens one step sampled, in batch order of its sampling sequences.
+
+    seq_ids: the sampling sequences.
+    token_ids: [S] int64 on the runner's device.
+    num_logprobs: per row, how many top log probabilities the sequence asked for (None:
+        it asked for none).
+    host: the pending host copy: token ids [S], then, when a row asked for logprobs, the
+        sampled tokens' logprobs [S], the top ids [S, K] and their logprobs [S, K].
+    """
+
+    seq_ids: tuple[int, ...]
+    token_ids: torch.Tensor
+    num_logprobs: tuple[int | None, ...]
+    host: HostCopy
+
+    @classmethod
+    def of(cls, seq_ids: Sequence[int], token_ids: torch.Tensor,
+           num_logprobs: Sequence[int | None], extra: Sequence[torch.Tensor] = ()) -> StepSample:
+        """Start the host copy of `token_ids` (and `extra`) now, without waiting for it."""
+        return cls(tuple(seq_ids), token_ids, tuple(num_logprobs),
+                   HostCopy([token_ids, *extra]))
+
+    def resolve(self) -> tuple[list[int], tuple[SampledToken, ...]]:
+        """(token id per row, a logprob record per row that asked for one), waiting once for
+        the host copy."""
+        host = self.host.wait()
+        ids: list[int] = host[0].tolist()
+        if len(host) == 1:
+            return ids, ()
+        lps, top_ids, top_lps = (t.tolist() for t in host[1:])
+        records = tuple(
+            SampledToken(self.seq_ids[row], ids[row], lps[row], tuple(top_ids[row][:k]),
+                         tuple(top_lps[row][:k]))
+            for row, k in enumerate(self.num_logprobs) if k is not None)
+        return ids, records
+
+
 def sample_step(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[HeldSeq],
-                vocab_size: int) -> list[SampledToken]:
+                vocab_size: int) -> StepSample:
     """One token per row of `logits` [S, V] (fp32), row i for `seqs[i]`.
 
     A sequence without sampling settings is greedy. Penalties read each sequence's prompt
     and outputs; seeded draws its output count. Mutates nothing.
     """
-    if not seqs:
-        return []
     params = [s.sampling or GREEDY for s in seqs]
+    wants = [p.logprobs for p in params]
+    if not seqs:
+        return StepSample.of((), torch.empty(0, dtype=torch.int64, device=logits.device), ())
     batch = SamplingBatch.build(params, [s.prompt_ids for s in seqs],
                                 [s.output_ids for s in seqs], [s.num_outputs for s in seqs],
                                 vocab_size, logits.device)
-    return _to_tokens(seqs, params, sampler(logits, batch))
-
-
-def _to_tokens(seqs: Sequence[HeldSeq], params: Sequence[SamplingParams],
-               out: SamplerOutput) -> list[SampledToken]:
-    ids = out.token_ids.tolist()
+    out = sampler(logits, batch)
+    seq_ids = [s.seq_id for s in seqs]
     if out.logprobs is None:
-        return [SampledToken(s.seq_id, t) for s, t in zip(seqs, ids, strict=True)]
-    lps = out.logprobs.tolist()
-    top_ids, top_lps = out.top_token_ids.tolist(), out.top_logprobs.tolist()
-    tokens = []
-    for row, (s, p, t) in enumerate(zip(seqs, params, ids, strict=True)):
-        k = p.logprobs or 0
-        tokens.append(SampledToken(s.seq_id, t, lps[row], tuple(top_ids[row][:k]),
-                                   tuple(top_lps[row][:k])))
-    return tokens
+        return StepSample.of(seq_ids, out.token_ids, wants)
+    return StepSample.of(seq_ids, out.token_ids, wants,
+                         (out.logprobs, out.top_token_ids, out.top_logprobs))

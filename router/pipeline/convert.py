@@ -9,11 +9,14 @@ and counts.
 
 from __future__ import annotations
 
+import sys
+from array import array
+
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
 from router.pipeline.outcome import StepOutcome
-from router.pipeline.shape import StageInfo
+from router.pipeline.shape import PipelineError, StageInfo
 from router.scheduler import StepPlan
 
 
@@ -64,14 +67,41 @@ def _plan_to_proto(plan: StepPlan, with_tokens: bool) -> pb.StepPlan:
 
 
 def outcome_from_result(result: pb.StepResult) -> StepOutcome:
-    """The last stage's sampled tokens and their logprob records, keyed by sequence."""
-    tokens: dict[int, int] = {}
+    """The last stage's sampled tokens (the packed arrays) keyed by sequence, and the logprob
+    records of the sequences that asked for them.
+
+    Raises:
+        PipelineError: the arrays are not whole int64s, differ in length, repeat a sequence,
+            or a logprob record names a token the arrays do not hold.
+    """
+    step = result.step_id
+    seq_ids = _unpack_int64(result.sampled_seq_ids, step, "sampled_seq_ids")
+    token_ids = _unpack_int64(result.sampled_token_ids, step, "sampled_token_ids")
+    if len(seq_ids) != len(token_ids):
+        raise PipelineError(f"step {step}: the last stage sent {len(seq_ids)} sequence ids "
+                            f"and {len(token_ids)} tokens")
+    tokens = dict(zip(seq_ids, token_ids, strict=True))
+    if len(tokens) != len(seq_ids):
+        raise PipelineError(f"step {step}: the last stage sampled a sequence twice")
     logprobs: dict[int, TokenLogprob] = {}
     for t in result.tokens:
-        tokens[t.seq_id] = t.token_id
+        if tokens.get(t.seq_id) != t.token_id:
+            raise PipelineError(f"step {step}: a logprob record names token {t.token_id} of "
+                                f"sequence {t.seq_id}, which was not sampled")
         top = tuple(zip(t.top_token_ids, t.top_logprobs, strict=True))
         logprobs[t.seq_id] = TokenLogprob(t.token_id, t.logprob, top)
-    return StepOutcome(result.step_id, tokens, logprobs)
+    return StepOutcome(step, tokens, logprobs)
+
+
+def _unpack_int64(data: bytes, step: int, field: str) -> array[int]:
+    """Packed little-endian int64s (the stage's `pack_int64`)."""
+    if len(data) % 8:
+        raise PipelineError(f"step {step}: {field} holds {len(data)} bytes, not whole int64s")
+    values = array("q")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
 
 
 def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:

@@ -1,10 +1,13 @@
 """The pipeline driver against real in-process stage servicers (null model): the shape it
-derives from Describe, what each stage is sent, and a restarted stage that came back smaller.
+derives from Describe, what each stage is sent, how a result is read, and a restarted stage
+that came back smaller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+from array import array
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,11 +15,13 @@ import pytest
 
 from foundation.ports import free_port
 from foundation.sampling_params import SamplingParams
+from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from router.outputs import TokenLogprob
 from router.pipeline import Pipeline, PipelineError
-from router.pipeline.convert import plan_to_protos
+from router.pipeline.convert import outcome_from_result, plan_to_protos
 from router.scheduler import CachedSeq, NewSeq, StepPlan
 from tests.default_model import default_model_dir
-from tests.router.inprocess import stage_configs, start_stage
+from tests.stage_worker.serving import stage_configs, start_stage
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,37 @@ def test_each_stage_gets_what_it_reads() -> None:
         assert list(msg.cached_seqs[0].new_block_ids) == [4]
         assert (msg.cached_seqs[0].num_computed, msg.cached_seqs[0].num_new) == (16, 1)
     assert plan_to_protos(plan, 1) == [first]
+
+
+def _result(step_id: int, seq_ids: list[int], token_ids: list[int],
+            logprobs: list[pb.SampledToken] | None = None) -> pb.StepResult:
+    return pb.StepResult(step_id=step_id, tokens=logprobs or [],
+                         sampled_seq_ids=array("q", seq_ids).tobytes(),
+                         sampled_token_ids=array("q", token_ids).tobytes())
+
+
+def test_a_result_decodes_to_tokens_and_only_the_asked_logprobs() -> None:
+    record = pb.SampledToken(seq_id=9, token_id=-3, logprob=-0.5, top_token_ids=[4, -3],
+                             top_logprobs=[-0.25, -0.5])
+    outcome = outcome_from_result(_result(12, [7, 9, 1 << 40], [5, -3, 2**63 - 1], [record]))
+    assert outcome.step_id == 12
+    assert outcome.tokens == {7: 5, 9: -3, 1 << 40: 2**63 - 1}
+    assert outcome.logprobs == {9: TokenLogprob(-3, -0.5, ((4, -0.25), (-3, -0.5)))}
+    assert outcome_from_result(_result(13, [], [])).tokens == {}
+
+
+@pytest.mark.parametrize(("result", "error"), [
+    (_result(4, [1, 2], [3]), "step 4: the last stage sent 2 sequence ids and 1 tokens"),
+    (pb.StepResult(step_id=5, sampled_seq_ids=b"\0" * 12, sampled_token_ids=b"\0" * 8),
+     "step 5: sampled_seq_ids holds 12 bytes, not whole int64s"),
+    (_result(6, [1, 1], [3, 4]), "step 6: the last stage sampled a sequence twice"),
+    (_result(7, [1], [3], [pb.SampledToken(seq_id=1, token_id=4)]),
+     "step 7: a logprob record names token 4 of sequence 1, which was not sampled"),
+], ids=["lengths", "bytes", "repeated", "logprob-token"])
+def test_a_malformed_result_is_a_pipeline_error_naming_the_step(result: pb.StepResult,
+                                                                error: str) -> None:
+    with pytest.raises(PipelineError, match=re.escape(error)):
+        outcome_from_result(result)
 
 
 def test_shape_is_the_minimum_and_names_the_limiting_stage(model_dir: Path) -> None:

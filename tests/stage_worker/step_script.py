@@ -61,8 +61,8 @@ def converse(first: StageLeader, last: StageLeader, prompts: list[list[int]],
 
     def run(plan: StagePlan) -> None:
         first.run_step(plan)
-        for t in last.run_step(plan).tokens:
-            out[t.seq_id].append(t.token_id)
+        for seq_id, token_id in last.run_step(plan).sampled.items():
+            out[seq_id].append(token_id)
 
     run(StagePlan(0, (StageNewSeq(0, tuple(a), len(a), tuple(ta), 0, len(a), True, GREEDY),
                       StageNewSeq(1, tuple(b), len(b), tuple(tb), 0, split, False, GREEDY)),

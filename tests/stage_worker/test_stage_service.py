@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from array import array
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -68,6 +69,14 @@ async def run_plans(stub: stage_pb2_grpc.StageServiceStub,
     return results
 
 
+def sampled(result: pb.StepResult) -> list[tuple[int, int]]:
+    """(seq_id, token_id) of every sampled token, from the packed arrays, in batch order."""
+    seq_ids, token_ids = array("q"), array("q")
+    seq_ids.frombytes(result.sampled_seq_ids)
+    token_ids.frombytes(result.sampled_token_ids)
+    return list(zip(seq_ids, token_ids, strict=True))
+
+
 def prefill(seq_ids: list[int], prompts: list[list[int]],
             tables: list[list[int]]) -> pb.StepPlan:
     return pb.StepPlan(step_id=0, new_seqs=[
@@ -96,9 +105,10 @@ def test_describe_and_greedy_tokens_match_the_offline_pipeline(checkpoint: Path)
                 await call.write(plans[-1])
                 result = await call.read()
                 assert not result.error, result.error
-                assert [t.seq_id for t in result.tokens] == [10, 11]
-                for row, t in enumerate(result.tokens):
-                    got[row].append(t.token_id)
+                assert [s for s, _ in sampled(result)] == [10, 11]
+                assert len(result.tokens) == 0  # nobody asked for logprobs
+                for row, (_, token) in enumerate(sampled(result)):
+                    got[row].append(token)
                 plans.append(pb.StepPlan(step_id=step + 1, cached_seqs=[
                     pb.CachedSequence(seq_id=10 + row, num_computed=len(p) + step, num_new=1,
                                       append_token_ids=[got[row][-1]], sample=True)
@@ -141,9 +151,9 @@ def test_a_plan_over_capacity_is_an_error_naming_the_limit(checkpoint: Path, pla
 
     results, after = asyncio.run(body())
     assert [r.step_id for r in results] == [0, 1]
-    assert not results[0].error and len(results[0].tokens) == 1
+    assert not results[0].error and len(sampled(results[0])) == 1
     assert results[1].error.startswith("stage 0: PlanError: step 1")
-    assert len(results[1].tokens) == 0
+    assert sampled(results[1]) == []
     assert re.search(limit, results[1].error), results[1].error
     assert after.num_sequences == 0  # the failed stream dropped what it held
 
@@ -167,5 +177,24 @@ def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
     info, results = asyncio.run(body())
     assert (info.model_impl, info.num_kv_blocks) == ("null", 65536)
     assert (info.max_num_batched_tokens, info.max_num_seqs) == (4096, 256)
-    assert [[(t.seq_id, t.token_id) for t in r.tokens] for r in results] == [
-        [(158, 158), (3, 3)], [(158, 159), (3, 4)]]
+    assert [sampled(r) for r in results] == [[(158, 158), (3, 3)], [(158, 159), (3, 4)]]
+
+
+def test_logprob_records_only_for_the_sequences_that_asked(checkpoint: Path) -> None:
+    cfg = StageConfig(checkpoint, block_size=BLOCK, num_blocks=BLOCKS,
+                      max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS)
+    asks = pb.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
+                             logprobs=2)
+    plan = prefill([4, 5, 6], [[1, 2, 3], [4, 5], [6]], [[0], [1], [2]])
+    plan.new_seqs[1].sampling.CopyFrom(asks)
+
+    async def body() -> list[pb.StepResult]:
+        async with serving(cfg) as stub:
+            return await run_plans(stub, [plan])
+
+    (result,) = asyncio.run(body())
+    tokens = dict(sampled(result))
+    assert list(tokens) == [4, 5, 6] and [t.seq_id for t in result.tokens] == [5]
+    (record,) = result.tokens
+    assert record.token_id == tokens[5] == record.top_token_ids[0]  # greedy: the most likely
+    assert len(record.top_logprobs) == 2 and record.logprob == record.top_logprobs[0] < 0

@@ -1,0 +1,67 @@
+"""Host <-> device copies that never make the host wait for the GPU, except where it must.
+
+A step's small inputs (token ids, positions, block tables, sampling columns) are built on
+the host. `upload` sends one to the device from pinned memory with `non_blocking=True`, so
+the host goes on queueing the step while the copy runs (a plain `.to(cuda)` from pageable
+memory, or `torch.tensor(list, device=cuda)`, waits for the stream). The caching host
+allocator keeps a pinned block alive until the copies queued from it have run.
+
+`HostCopy` goes the other way: device tensors copied into pinned host memory without
+blocking, with one event; `wait()` is the step's one synchronisation with the GPU.
+
+On CPU every call returns its tensors as they are (no copy), so the CPU path is the same
+arithmetic on the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`: on CUDA from pinned memory, non-blocking; on CPU
+    the tensor itself. The caller must not modify `host` afterwards."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
+              dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (nested) list of numbers as a tensor on `device`, built on the host (see `upload`)."""
+    return upload(torch.tensor(values, dtype=dtype), device)
+
+
+class HostCopy:
+    """Device tensors on their way to host memory.
+
+    Construction queues the copies (pinned destination, `non_blocking=True`) and records
+    one event after them on the current stream; `wait()` blocks until they landed and
+    returns the host tensors, in the order given. CPU tensors are returned as they are.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._event: torch.cuda.Event | None = None
+        on_cuda = [t.device.type == "cuda" for t in tensors]
+        if not any(on_cuda):
+            self._host = list(tensors)
+            return
+        self._host = []
+        for t, cuda in zip(tensors, on_cuda, strict=True):
+            if not cuda:
+                self._host.append(t)
+                continue
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            dst.copy_(t, non_blocking=True)
+            self._host.append(dst)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        """The host tensors, once every copy has finished (the only wait on the GPU)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
