@@ -30,7 +30,8 @@ def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
     )
     cached = tuple(
         StageCachedSeq(s.seq_id, tuple(s.new_block_ids), s.num_computed, s.num_new,
-                  tuple(s.append_token_ids), s.sample)
+                       tuple(s.append_token_ids), s.sample,
+                       s.input_from_step if s.HasField("input_from_step") else None)
         for s in msg.cached_seqs
     )
     copies = tuple((c.src, c.dst) for c in msg.block_copies)

@@ -8,7 +8,7 @@ outputs) keep token ids; a middle stage keeps block tables and counts only.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from foundation.sampling_params import SamplingParams
@@ -35,6 +35,28 @@ class HeldSeq:
         return self.token_ids[:self.prompt_len]
 
 
+@dataclass
+class StepInputs:
+    """What a plan asks of this stage, in batch order.
+
+    chunks: every sequence's share of the step.
+    input_ids: where tokens are kept, the step's input token ids [T] (the first stage's
+        inputs; ignored elsewhere).
+    ahead: (row in input_ids, seq_id, step) of every run-ahead input: the token that step
+        sampled for the sequence.
+    """
+
+    chunks: list[SeqChunk]
+    input_ids: list[int]
+    ahead: list[tuple[int, int, int]]
+
+    def add(self, state: HeldSeq, num_computed: int, num_new: int, sample: bool) -> None:
+        """Append `state`'s chunk of [num_computed, num_computed + num_new) and its inputs."""
+        self.chunks.append(SeqChunk(state.seq_id, num_computed, num_new,
+                                    tuple(state.block_table), sample))
+        self.input_ids += state.token_ids[num_computed:num_computed + num_new]
+
+
 class HeldSeqs:
     """Applies plans: frees, new sequences and diffs, in that order.
 
@@ -52,17 +74,17 @@ class HeldSeqs:
     def kv_blocks_used(self) -> int:
         return len(self.block_refs)
 
-    def apply(self, plan: StagePlan) -> tuple[list[SeqChunk], list[int]]:
+    def apply(self, plan: StagePlan, fed: Mapping[int, int] | None = None) -> StepInputs:
         """Update the held sequences for `plan`, which `plan_check.check_plan` accepted.
 
-        Returns the step's chunks (batch order) and, where tokens are kept, the step's
-        input ids (the first stage's inputs; ignored elsewhere).
+        `fed`: where tokens are kept, the token of every run-ahead sequence of the plan
+        (seq_id -> the token sampled at its `input_from_step`), appended to its history as
+        if it had come in `append_token_ids`.
         """
         for seq_id in plan.free_seq_ids:
             self.free(seq_id)
-        chunks: list[SeqChunk] = []
-        input_ids: list[int] = []
         keep = self.keep_tokens
+        inputs = StepInputs([], [], [])
         for new in plan.new_seqs:
             tokens = list(new.token_ids) if keep else []
             outputs = tokens[new.prompt_len:]
@@ -71,19 +93,20 @@ class HeldSeqs:
                             new.sampling if keep else None, outputs)
             self.seqs[new.seq_id] = state
             self.block_refs.update(new.block_ids)
-            chunks.append(SeqChunk(new.seq_id, new.num_computed, new.num_new,
-                                   tuple(state.block_table), new.sample))
-            input_ids += tokens[new.num_computed:new.num_computed + new.num_new]
+            inputs.add(state, new.num_computed, new.num_new, new.sample)
         for cached in plan.cached_seqs:
             state = self.seqs[cached.seq_id]
             state.block_table += cached.new_block_ids
             self.block_refs.update(cached.new_block_ids)
-            if keep:
+            if keep and cached.input_from_step is not None:
+                assert fed is not None, "a run-ahead input needs its token"
+                inputs.ahead.append((len(inputs.input_ids), cached.seq_id,
+                                     cached.input_from_step))
+                state.token_ids.append(fed[cached.seq_id])
+            elif keep:
                 state.token_ids += cached.append_token_ids
-            chunks.append(SeqChunk(cached.seq_id, cached.num_computed, cached.num_new,
-                                   tuple(state.block_table), cached.sample))
-            input_ids += state.token_ids[cached.num_computed:cached.num_computed + cached.num_new]
-        return chunks, input_ids
+            inputs.add(state, cached.num_computed, cached.num_new, cached.sample)
+        return inputs
 
     def record_sampled(self, step_id: int, seq_ids: Sequence[int],
                        token_ids: Sequence[int]) -> None:

@@ -1,10 +1,12 @@
 """The stage leader (TP rank 0): what only rank 0 does around the step every rank runs.
 
 Per plan: check it against the stage's limits and held sequences (a refused plan reaches no
-other rank), receive the step's activations from upstream, fan the plan out to the other TP
-ranks (`tp_fanout`), run `StageRank.step`, then send the output downstream or, on the last
-stage, sample; the outcome answers the router. Synchronous; the gRPC service calls it from
-one worker thread.
+other rank); resolve its run-ahead inputs (the first stage of several waits for them on the
+feedback link, see `feedback`); receive the step's activations from upstream; fan the plan
+and those inputs out to the other TP ranks (`tp_fanout`); run `StageRank.step`; then send
+the output downstream or, on the last stage, sample, wait once for the sampled ids' host
+copy, record them and send them back to the first stage. The outcome answers the router.
+Synchronous; the gRPC service calls it from one worker thread.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from stage_worker import tp_fanout
+from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks
 from stage_worker.plan import SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
@@ -27,9 +30,13 @@ class StageLeader:
 
     def __init__(self, rank: StageRank, step_timeout_s: float,
                  dataplane: DataPlaneAddress | None = None) -> None:
-        """`dataplane`: where the upstream listener binds (default: the router's name)."""
+        """`dataplane`: where the listeners bind (default: the router's name)."""
         self.rank = rank
-        self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s)
+        self.step_timeout_s = step_timeout_s
+        self.feedback = FeedbackStore()  # first stage: the run-ahead inputs
+        inbox = FeedbackInbox(self.feedback)
+        self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s,
+                                    on_feedback=inbox.attach)
 
     def listen_upstream(self, router_host: str, token: bytes, epoch: int) -> str:
         """See `DataPlaneLinks.listen_upstream`."""
@@ -37,6 +44,19 @@ class StageLeader:
 
     def connect_downstream(self, address: str, token: bytes, epoch: int) -> None:
         self.links.connect_downstream(address, token, epoch)
+
+    def listen_feedback(self, router_host: str, token: bytes, epoch: int) -> str:
+        """First stage: see `DataPlaneLinks.listen_feedback`."""
+        if not self.rank.is_first or self.rank.is_last:
+            raise ValueError("only the first stage of a pipeline of several listens for "
+                             "feedback")
+        return self.links.listen_feedback(router_host, token, epoch)
+
+    def connect_feedback(self, address: str, token: bytes, epoch: int) -> None:
+        """Last stage: see `DataPlaneLinks.connect_feedback`."""
+        if not self.rank.is_last or self.rank.is_first:
+            raise ValueError("only the last stage of a pipeline of several sends feedback")
+        self.links.connect_feedback(address, token, epoch)
 
     @property
     def linked(self) -> bool:
@@ -51,14 +71,17 @@ class StageLeader:
         Raises:
             PlanError: the plan exceeds the stage's limits or contradicts its state
                 (nothing ran; no other rank saw it).
+            FeedbackMissingError: (first stage) a run-ahead input's tokens did not come.
             LinkNotReadyError, TransportError, ActivationMismatchError: the upstream
                 activations did not come as planned (no other rank saw the plan).
         """
         rank = self.rank
         rank.check(plan)
+        fed = self._run_ahead_inputs(plan)
         upstream = None if rank.is_first else self._receive(plan)
-        tp_fanout.send_plan(rank.tp, plan)
-        chunks, out = rank.step(plan, upstream)
+        tp_fanout.send_plan(rank.tp, plan, fed)
+        on_device = self.feedback if rank.is_first and rank.is_last else None
+        chunks, out = rank.step(plan, upstream, fed, on_device)
         if rank.is_last:
             return self._sample(plan.step_id, chunks, out)
         if out is None:  # nothing computed: the next stage still expects this step
@@ -66,16 +89,39 @@ class StageLeader:
         self.links.send(plan.step_id, [out])
         return self._outcome(plan.step_id)
 
+    def _run_ahead_inputs(self, plan: StagePlan) -> dict[int, int]:
+        """seq_id -> token of every run-ahead input, where the stage keeps tokens: the last
+        stage sampled it (the check made sure of the step); the first stage of several
+        waits for it from the feedback link."""
+        ahead = [(c.seq_id, c.input_from_step) for c in plan.cached_seqs
+                 if c.input_from_step is not None]
+        rank = self.rank
+        if not ahead or not rank.held.keep_tokens:
+            return {}
+        if rank.is_last:
+            return {seq_id: rank.held.seqs[seq_id].output_ids[-1] for seq_id, _ in ahead}
+        return self.feedback.take(plan.step_id, ahead, self.step_timeout_s)
+
     def _sample(self, step_id: int, chunks: list[SeqChunk],
                 scores: torch.Tensor | None) -> StageOutcome:
-        """Last stage: sample, wait once for the tokens' host copy, record them."""
+        """Last stage: sample, wait once for the tokens' host copy, record them and send
+        them to the first stage (every step, sampling or not)."""
         rank = self.rank
-        if scores is None:
-            return self._outcome(step_id)
-        sample = rank.sample(chunks, scores)
-        token_ids, logprobs = sample.resolve()
-        rank.held.record_sampled(step_id, sample.seq_ids, token_ids)
-        return self._outcome(step_id, sample.seq_ids, tuple(token_ids), logprobs)
+        seq_ids: tuple[int, ...] = ()
+        token_ids: tuple[int, ...] = ()
+        logprobs: tuple[SampledToken, ...] = ()
+        on_device = None
+        if scores is not None:
+            sample = rank.sample(chunks, scores)
+            ids, logprobs = sample.resolve()
+            seq_ids, token_ids, on_device = sample.seq_ids, tuple(ids), sample.token_ids
+            rank.held.record_sampled(step_id, seq_ids, token_ids)
+        if rank.is_first:  # one stage: its own run-ahead inputs, the ids kept on the device
+            self.feedback.put(StepTokens(step_id, seq_ids, token_ids, on_device))
+        else:
+            self.links.send_feedback(step_id, [torch.tensor(seq_ids, dtype=torch.int64),
+                                               torch.tensor(token_ids, dtype=torch.int64)])
+        return self._outcome(step_id, seq_ids, token_ids, logprobs)
 
     def _outcome(self, step_id: int, seq_ids: tuple[int, ...] = (),
                  token_ids: tuple[int, ...] = (),
@@ -99,6 +145,7 @@ class StageLeader:
         """Drop all sequence state on every rank (the Run stream ended); returns how many
         sequences this stage held."""
         tp_fanout.send_reset(self.rank.tp)
+        self.feedback.clear()
         return self.rank.reset()
 
     def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""The stage's two data-plane ends (upstream listener, downstream connection), per epoch.
+"""The stage's data-plane ends, per epoch: the upstream listener, the downstream connection,
+and the run-ahead feedback link (last stage -> first stage; see `stage_worker.feedback`).
 
 Thread-safe: `Connect` calls arrive on the gRPC worker thread while an accept runs in the
 background; steps use the links from the same worker thread.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,86 +55,143 @@ class LinkNotReadyError(RuntimeError):
     """A step arrived before the data-plane link it needs was connected."""
 
 
-class DataPlaneLinks:
-    """The upstream and downstream links of one stage. A higher epoch (the router re-linked
-    after a restart) drops the links of the previous one."""
+class _Inbound:
+    """The listening end of one link: its listener and the link it accepted."""
 
-    def __init__(self, address: DataPlaneAddress, timeout_s: float) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.listener: LinkListener | None = None
+        self.link: Transport | None = None
+        self.ready = threading.Event()
+
+    def drop(self) -> None:
+        for end in (self.link, self.listener):
+            if end is not None:
+                end.close()
+        self.link = self.listener = None
+        self.ready.clear()
+
+
+class DataPlaneLinks:
+    """The links of one stage: activations from upstream and to downstream, and the
+    run-ahead feedback link (the last stage sends, the first listens). A higher epoch (the
+    router re-linked after a restart) drops the links of the previous one.
+
+    `on_feedback` is called with each feedback link the first stage accepts (it starts a
+    thread that drains it).
+    """
+
+    def __init__(self, address: DataPlaneAddress, timeout_s: float,
+                 on_feedback: Callable[[Transport], None] | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.epoch = -1
-        self._listener: LinkListener | None = None
-        self._upstream: Transport | None = None
+        self._upstream = _Inbound("upstream")
+        self._feedback_in = _Inbound("feedback")
         self._downstream: Transport | None = None
-        self._upstream_ready = threading.Event()
+        self._feedback_out: Transport | None = None
+        self._on_feedback = on_feedback
         self._lock = threading.Lock()
 
     @property
     def has_upstream(self) -> bool:
-        return self._upstream is not None
+        return self._upstream.link is not None
 
     @property
     def has_downstream(self) -> bool:
         return self._downstream is not None
 
+    @property
+    def has_feedback(self) -> bool:
+        """Whether a feedback link is up (either end)."""
+        return self._feedback_in.link is not None or self._feedback_out is not None
+
     def listen_upstream(self, router_host: str, token: bytes, epoch: int) -> str:
         """Start listening for the upstream stage; returns the "host:port" it should dial.
         `router_host` is the host the router reaches this stage by (see `DataPlaneAddress`).
         Accepts in the background; a step waits for the link."""
-        self._new_epoch(epoch)
-        bind, advertise = self.address.resolve(router_host)
-        with self._lock:  # a repeated LISTEN in one epoch replaces the listener (same port)
-            if self._listener is not None:
-                self._listener.close()
-                self._listener = None
-        listener = open_listener(LinkSpec(TransportKind.TCP, bind, self.address.port, token))
-        self._listener = listener
-        self._upstream_ready.clear()
-        threading.Thread(target=self._accept, args=(listener, epoch), daemon=True,
-                         name="dataplane-accept").start()
-        host = f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
-        return f"{host}:{listener.spec.port}"
+        return self._listen(self._upstream, router_host, token, epoch)
+
+    def listen_feedback(self, router_host: str, token: bytes, epoch: int) -> str:
+        """First stage: listen for the last stage's feedback link, as `listen_upstream`
+        (the first stage has no upstream listener, so a fixed data-plane port serves it)."""
+        return self._listen(self._feedback_in, router_host, token, epoch)
 
     def connect_downstream(self, address: str, token: bytes, epoch: int) -> None:
-        self._new_epoch(epoch)
-        host, _, port = address.rpartition(":")
-        link = open_link(LinkSpec(TransportKind.TCP, host.strip("[]"), int(port), token),
-                         timeout_s=self.timeout_s)
+        link = self._connect(address, token, epoch)
         with self._lock:
             if self._downstream is not None:
                 self._downstream.close()
             self._downstream = link
 
+    def connect_feedback(self, address: str, token: bytes, epoch: int) -> None:
+        """Last stage: dial the first stage's feedback listener at `address`."""
+        link = self._connect(address, token, epoch)
+        with self._lock:
+            if self._feedback_out is not None:
+                self._feedback_out.close()
+            self._feedback_out = link
+
     def recv(self, step_id: int) -> list[torch.Tensor]:
         """Step `step_id`'s tensors from upstream, waiting up to the timeout for the link."""
-        if not self._upstream_ready.wait(self.timeout_s) or self._upstream is None:
+        up = self._upstream
+        if not up.ready.wait(self.timeout_s) or up.link is None:
             raise LinkNotReadyError(f"step {step_id}: upstream data-plane link not connected "
                                     f"within {self.timeout_s:.0f}s")
-        return self._upstream.recv(step_id, timeout_s=self.timeout_s)
+        return up.link.recv(step_id, timeout_s=self.timeout_s)
 
     def send(self, step_id: int, tensors: Sequence[torch.Tensor]) -> None:
         if self._downstream is None:
             raise LinkNotReadyError("no downstream data-plane link: router must Connect")
         self._downstream.send(step_id, tensors)
 
+    def send_feedback(self, step_id: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Last stage: step `step_id`'s sampled ids to the first stage; nothing without a
+        feedback link (the router links one for every pipeline of more than one stage)."""
+        if self._feedback_out is not None:
+            self._feedback_out.send(step_id, tensors, timeout_s=self.timeout_s)
+
     def close(self) -> None:
         """Drop every link and the listener (the stage shuts down)."""
         self._new_epoch(self.epoch + 1)
 
-    def _accept(self, listener: LinkListener, epoch: int) -> None:
+    def _listen(self, inbound: _Inbound, router_host: str, token: bytes, epoch: int) -> str:
+        self._new_epoch(epoch)
+        bind, advertise = self.address.resolve(router_host)
+        with self._lock:  # a repeated LISTEN in one epoch replaces the listener (same port)
+            if inbound.listener is not None:
+                inbound.listener.close()
+                inbound.listener = None
+        listener = open_listener(LinkSpec(TransportKind.TCP, bind, self.address.port, token))
+        inbound.listener = listener
+        inbound.ready.clear()
+        threading.Thread(target=self._accept, args=(inbound, listener, epoch), daemon=True,
+                         name=f"dataplane-accept-{inbound.name}").start()
+        host = f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
+        return f"{host}:{listener.spec.port}"
+
+    def _connect(self, address: str, token: bytes, epoch: int) -> Transport:
+        self._new_epoch(epoch)
+        host, _, port = address.rpartition(":")
+        return open_link(LinkSpec(TransportKind.TCP, host.strip("[]"), int(port), token),
+                         timeout_s=self.timeout_s)
+
+    def _accept(self, inbound: _Inbound, listener: LinkListener, epoch: int) -> None:
         try:
             link = listener.accept(timeout_s=self.timeout_s)
         except (TransportError, OSError) as e:  # the step that needs the link reports it
-            log.warning("upstream link (epoch %d) not accepted: %s", epoch, e)
+            log.warning("%s link (epoch %d) not accepted: %s", inbound.name, epoch, e)
             return
         with self._lock:
             if epoch != self.epoch:
                 link.close()
                 return
-            if self._upstream is not None:
-                self._upstream.close()
-            self._upstream = link
-        self._upstream_ready.set()
+            if inbound.link is not None:
+                inbound.link.close()
+            inbound.link = link
+        if inbound is self._feedback_in and self._on_feedback is not None:
+            self._on_feedback(link)
+        inbound.ready.set()
 
     def _new_epoch(self, epoch: int) -> None:
         """A higher epoch drops the links of the previous one (a stage restarted)."""
@@ -141,10 +199,9 @@ class DataPlaneLinks:
             if epoch <= self.epoch:
                 return
             self.epoch = epoch
-            for link in (self._upstream, self._downstream):
+            for link in (self._downstream, self._feedback_out):
                 if link is not None:
                     link.close()
-            if self._listener is not None:
-                self._listener.close()
-            self._upstream = self._downstream = None
-            self._listener = None
+            self._downstream = self._feedback_out = None
+            self._upstream.drop()
+            self._feedback_in.drop()

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from stage_worker.held_seqs import HeldSeq
-from stage_worker.plan import PlanError, StagePlan
+from stage_worker.plan import PlanError, StageCachedSeq, StagePlan
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class StepLimits:
 
 
 def check_plan(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
-               needs_tokens: bool) -> None:
+               needs_tokens: bool, knows_samples: bool = False) -> None:
     """Refuse `plan` unless the stage can run it as given. Reads, never mutates.
 
     Args:
@@ -40,11 +40,15 @@ def check_plan(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
         held: the sequences the stage holds now.
         limits: the stage's step limits.
         needs_tokens: the stage reads its inputs from token ids (the first stage), so every
-            computed token must be known.
+            computed token must be known (a run-ahead input counts as known).
+        knows_samples: the stage sampled every held sequence's last token (the last stage),
+            so a run-ahead input must name the step that sampled it.
     Raises:
         PlanError: too many tokens or sequences, a block id outside the pool, a block table
             too short for its tokens, an unknown or duplicated sequence, a chunk computing
-            nothing, or (first stage) input tokens the stage does not know.
+            nothing, a run-ahead input that is not one token from an earlier step (or, on
+            the last stage, not the one it sampled last), or (first stage) input tokens the
+            stage does not know.
     """
     step = plan.step_id
     if plan.num_tokens > limits.max_num_batched_tokens:
@@ -73,8 +77,12 @@ def check_plan(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
         _check_block_ids(step, where, cached.new_block_ids, limits.num_blocks)
         _check_chunk(where, cached.num_computed, cached.num_new,
                      len(state.block_table) + len(cached.new_block_ids), limits)
+        appended = len(cached.append_token_ids)
+        if cached.input_from_step is not None:
+            _check_run_ahead(where, step, cached, state if knows_samples else None)
+            appended = 1
         if needs_tokens:
-            _check_tokens(where, len(state.token_ids) + len(cached.append_token_ids),
+            _check_tokens(where, len(state.token_ids) + appended,
                           cached.num_computed + cached.num_new)
 
 
@@ -104,6 +112,21 @@ def _check_chunk(where: str, num_computed: int, num_new: int, num_blocks: int,
     if num_blocks * limits.block_size < end:
         raise PlanError(f"{where}: {num_blocks} blocks cannot hold {end} tokens "
                         f"(block size {limits.block_size})")
+
+
+def _check_run_ahead(where: str, step: int, cached: StageCachedSeq,
+                     sampled: HeldSeq | None) -> None:
+    """A run-ahead input: one token, none appended, sampled at an earlier step (and, where
+    `sampled` is given, the step that sampled the sequence last)."""
+    k = cached.input_from_step
+    if cached.num_new != 1 or cached.append_token_ids:
+        raise PlanError(f"{where} takes its input from step {k} but computes "
+                        f"{cached.num_new} tokens and appends {len(cached.append_token_ids)}")
+    if k is None or not 0 <= k < step:
+        raise PlanError(f"{where} takes its input from step {k}, not an earlier step")
+    if sampled is not None and sampled.last_sample_step != k:
+        raise PlanError(f"{where} takes its input from step {k}, but this stage last sampled "
+                        f"it at step {sampled.last_sample_step}")
 
 
 def _check_tokens(where: str, known: int, needed: int) -> None:

@@ -1,9 +1,10 @@
 """A `StagePlan` as integer arrays, for the TP fan-out (the leader parses the router's proto
 once; its TP ranks never see a proto, nor pickle).
 
-`encode(plan)` gives nine int64 tensors, which travel in the data plane's framing
-(`dataplane.wire.encode_message`); `decode(tensors)` gives the plan back, equal to the one
-encoded. Layout, in order:
+`encode(plan, fed)` gives ten int64 tensors, which travel in the data plane's framing
+(`dataplane.wire.encode_message`); `decode(tensors)` gives the plan and `fed` back, equal to
+the ones encoded. `fed` holds the run-ahead inputs the leader resolved (seq_id -> token; only
+rank 0 holds the feedback link). Layout, in order:
 
     0 header        [2]         CODEC_VERSION, step_id
     1 new_seqs      [N, 18]     per new sequence: seq_id, prompt_len, num_computed, num_new,
@@ -14,18 +15,20 @@ encoded. Layout, in order:
                                 presence_penalty, frequency_penalty
     2 new_tokens    [sum len]   every new sequence's token ids, back to back
     3 new_blocks    [sum len]   every new sequence's block ids, back to back
-    4 cached_seqs   [C, 6]      per cached sequence: seq_id, num_computed, num_new, sample,
-                                len(new_block_ids), len(append_token_ids)
+    4 cached_seqs   [C, 7]      per cached sequence: seq_id, num_computed, num_new, sample,
+                                len(new_block_ids), len(append_token_ids), input_from_step
+                                (-1 none)
     5 cached_blocks [sum len]   new block ids, back to back
     6 cached_tokens [sum len]   appended token ids, back to back
     7 free_seq_ids  [F]
     8 block_copies  [K, 2]      (src, dst)
+    9 fed           [R, 2]      (seq_id, token) of every run-ahead input resolved for the step
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import accumulate
 
 import torch
@@ -33,10 +36,10 @@ import torch
 from foundation.sampling_params import SamplingParams
 from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan
 
-CODEC_VERSION = 1
-NUM_TENSORS = 9
+CODEC_VERSION = 2
+NUM_TENSORS = 10
 NEW_COLUMNS = 18
-CACHED_COLUMNS = 6
+CACHED_COLUMNS = 7
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
 _MASK64 = (1 << 64) - 1
 
@@ -45,8 +48,9 @@ class PlanCodecError(ValueError):
     """Tensors that are not an encoded plan of this codec version."""
 
 
-def encode(plan: StagePlan) -> list[torch.Tensor]:
-    """The plan as NUM_TENSORS int64 CPU tensors (layout in the module docstring)."""
+def encode(plan: StagePlan, fed: Mapping[int, int] | None = None) -> list[torch.Tensor]:
+    """The plan and its resolved run-ahead inputs as NUM_TENSORS int64 CPU tensors (layout in
+    the module docstring)."""
     new, cached = plan.new_seqs, plan.cached_seqs
     return [
         _ints([CODEC_VERSION, plan.step_id]),
@@ -54,16 +58,19 @@ def encode(plan: StagePlan) -> list[torch.Tensor]:
         _ints([t for s in new for t in s.token_ids]),
         _ints([b for s in new for b in s.block_ids]),
         _table([[s.seq_id, s.num_computed, s.num_new, int(s.sample), len(s.new_block_ids),
-                 len(s.append_token_ids)] for s in cached], CACHED_COLUMNS),
+                 len(s.append_token_ids),
+                 -1 if s.input_from_step is None else s.input_from_step] for s in cached],
+               CACHED_COLUMNS),
         _ints([b for s in cached for b in s.new_block_ids]),
         _ints([t for s in cached for t in s.append_token_ids]),
         _ints(list(plan.free_seq_ids)),
         _table([list(pair) for pair in plan.block_copies], 2),
+        _table([[seq_id, token] for seq_id, token in (fed or {}).items()], 2),
     ]
 
 
-def decode(tensors: Sequence[torch.Tensor]) -> StagePlan:
-    """The plan `encode` was given.
+def decode(tensors: Sequence[torch.Tensor]) -> tuple[StagePlan, dict[int, int]]:
+    """The plan and the run-ahead inputs `encode` was given.
 
     Raises:
         PlanCodecError: wrong tensor count, dtype, version or inconsistent lengths.
@@ -71,8 +78,8 @@ def decode(tensors: Sequence[torch.Tensor]) -> StagePlan:
     if len(tensors) != NUM_TENSORS or any(t.dtype != torch.int64 for t in tensors):
         raise PlanCodecError(f"an encoded plan is {NUM_TENSORS} int64 tensors, got "
                              f"{[str(t.dtype) for t in tensors]}")
-    header, new, new_tokens, new_blocks, cached, cached_blocks, cached_tokens, free, copies = (
-        t.tolist() for t in tensors)
+    (header, new, new_tokens, new_blocks, cached, cached_blocks, cached_tokens, free, copies,
+     fed) = (t.tolist() for t in tensors)
     if len(header) != 2 or header[0] != CODEC_VERSION:
         raise PlanCodecError(f"plan codec header {header}, this end speaks {CODEC_VERSION}")
     token_runs = _runs(new_tokens, [r[5] for r in new])
@@ -81,10 +88,12 @@ def decode(tensors: Sequence[torch.Tensor]) -> StagePlan:
     cblock_runs = _runs(cached_blocks, [r[4] for r in cached])
     ctoken_runs = _runs(cached_tokens, [r[5] for r in cached])
     cached_seqs = tuple(
-        StageCachedSeq(r[0], next(cblock_runs), r[1], r[2], next(ctoken_runs), bool(r[3]))
+        StageCachedSeq(r[0], next(cblock_runs), r[1], r[2], next(ctoken_runs), bool(r[3]),
+                       None if r[6] < 0 else r[6])
         for r in cached)
-    return StagePlan(header[1], new_seqs, cached_seqs, tuple(free),
+    plan = StagePlan(header[1], new_seqs, cached_seqs, tuple(free),
                      tuple((src, dst) for src, dst in copies))
+    return plan, {seq_id: token for seq_id, token in fed}
 
 
 def _ints(values: list[int]) -> torch.Tensor:

@@ -84,20 +84,22 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"transport {pb.Transport.Name(request.transport)} is not "
                                 "available on this stage (have: TRANSPORT_TCP)")
+        listen = {pb.LINK_ROLE_LISTEN_UPSTREAM: self.leader.listen_upstream,
+                  pb.LINK_ROLE_LISTEN_FEEDBACK: self.leader.listen_feedback}.get(request.role)
+        connect = {pb.LINK_ROLE_CONNECT_DOWNSTREAM: self.leader.connect_downstream,
+                   pb.LINK_ROLE_CONNECT_FEEDBACK: self.leader.connect_feedback}.get(request.role)
         try:
-            if request.role == pb.LINK_ROLE_LISTEN_UPSTREAM:
-                address = await self._call(self.leader.listen_upstream, request.address,
-                                           request.link_token, request.epoch)
+            if listen is not None:
+                address = await self._call(listen, request.address, request.link_token,
+                                           request.epoch)
                 return pb.ConnectResponse(address=str(address))
-            if request.role == pb.LINK_ROLE_CONNECT_DOWNSTREAM:
-                await self._call(self.leader.connect_downstream, request.address,
-                                 request.link_token, request.epoch)
+            if connect is not None:
+                await self._call(connect, request.address, request.link_token, request.epoch)
                 return pb.ConnectResponse()
         except (ValueError, OSError, TransportError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"data-plane link failed: {e}")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            "role must be LINK_ROLE_LISTEN_UPSTREAM or "
-                            "LINK_ROLE_CONNECT_DOWNSTREAM")
+                            f"unknown link role {request.role}")
         raise AssertionError("unreachable")
 
     async def Run(self, request_iterator: AsyncIterator[pb.StepPlan],

@@ -8,11 +8,13 @@ then sends the output downstream or samples (`StageRank.sample`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from stage_worker.feedback import FeedbackStore, gather_device_inputs
 from stage_worker.held_seqs import HeldSeqs
+from stage_worker.host_transfer import upload
 from stage_worker.model_runner import ModelRunner
 from stage_worker.parallel import TPGroup
 from stage_worker.plan import StagePlan
@@ -42,29 +44,36 @@ class StageRank:
     def check(self, plan: StagePlan) -> None:
         """Raise PlanError unless the stage can run `plan` (see `plan_check.check_plan`).
         The leader calls it before any rank sees the plan."""
-        check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first)
+        check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first,
+                   knows_samples=self.is_last)
 
-    def step(self, plan: StagePlan,
-             upstream: torch.Tensor | None) -> tuple[list[SeqChunk], torch.Tensor | None]:
+    def step(self, plan: StagePlan, upstream: torch.Tensor | None,
+             fed: Mapping[int, int] | None = None, on_device: FeedbackStore | None = None
+             ) -> tuple[list[SeqChunk], torch.Tensor | None]:
         """Apply a checked plan and compute it: the same call on every TP rank.
 
         Frees, new sequences and diffs are applied, KV blocks copied, then the runner
         executes. `upstream`: on rank 0 of a non-first stage, the step's activations
         [T, H] received from the upstream stage; None elsewhere (the first stage embeds its
         token ids; other ranks get rank 0's activations through the TP group here).
+        `fed`: the run-ahead inputs the leader resolved (seq_id -> token), appended to the
+        histories. `on_device`: rank 0 of a one-stage pipeline, where the run-ahead inputs
+        are read from the sampled ids its earlier steps left on the device.
         Returns the step's chunks (batch order) and the runner's output (hidden states
         [T, H], or the last stage's scores), None when the plan computes nothing.
         """
-        chunks, ids = self.held.apply(plan)
+        step = self.held.apply(plan, fed)
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
-        if not chunks:
-            return chunks, None
+        if not step.chunks:
+            return step.chunks, None
         if self.is_first:
-            inputs = torch.tensor(ids, dtype=torch.long)
+            inputs = upload(torch.tensor(step.input_ids, dtype=torch.long), self.shape.device)
+            if on_device is not None and step.ahead:
+                gather_device_inputs(inputs, step.ahead, on_device)
         else:
             inputs = self._share_activations(plan.num_tokens, upstream)
-        return chunks, self.runner.execute(chunks, inputs)
+        return step.chunks, self.runner.execute(step.chunks, inputs)
 
     def _share_activations(self, num_tokens: int, upstream: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's `upstream` [T, H] on every rank (no collective at TP size 1)."""

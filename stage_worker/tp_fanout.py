@@ -3,7 +3,8 @@
 One message per event, each a tag byte and what follows it:
 
     b"P" + a data-plane message (`dataplane.wire.encode_message`) whose step id is the
-           plan's and whose tensors are the plan's integer arrays (`plan_codec`)
+           plan's and whose tensors are the plan's integer arrays and its resolved run-ahead
+           inputs (`plan_codec`)
     b"R"   reset: drop every sequence (the Run stream ended)
     b"S"   shutdown: leave the follow loop
 
@@ -15,7 +16,8 @@ plan, a non-first stage broadcasts the step's activations on the device group (i
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from stage_worker import plan_codec
 from stage_worker.dataplane.wire import decode_message, encode_message
@@ -39,12 +41,14 @@ class FanoutMessage:
 
     kind: FanoutKind
     plan: StagePlan | None = None
+    fed: dict[int, int] = field(default_factory=dict)  # the plan's run-ahead inputs
 
 
-def send_plan(tp: TPGroup, plan: StagePlan) -> None:
-    """Rank 0: hand `plan` to ranks 1..T-1 (which call `receive`)."""
+def send_plan(tp: TPGroup, plan: StagePlan, fed: Mapping[int, int]) -> None:
+    """Rank 0: hand `plan` and its resolved run-ahead inputs `fed` (seq_id -> token) to
+    ranks 1..T-1 (which call `receive`)."""
     if tp.size > 1:
-        tp.broadcast_bytes(PLAN + encode_message(plan.step_id, plan_codec.encode(plan),
+        tp.broadcast_bytes(PLAN + encode_message(plan.step_id, plan_codec.encode(plan, fed),
                                                  MAX_FANOUT_BYTES))
 
 
@@ -75,8 +79,8 @@ def receive(tp: TPGroup) -> FanoutMessage:
     if tag != PLAN:
         raise ValueError(f"unknown TP fan-out message tag {tag!r}")
     step_id, tensors = decode_message(body, MAX_FANOUT_BYTES)
-    plan = plan_codec.decode(tensors)
+    plan, fed = plan_codec.decode(tensors)
     if plan.step_id != step_id:
         raise ValueError(f"fan-out frame of step {step_id} carries the plan of step "
                          f"{plan.step_id}")
-    return FanoutMessage(FanoutKind.PLAN, plan)
+    return FanoutMessage(FanoutKind.PLAN, plan, fed)

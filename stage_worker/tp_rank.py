@@ -31,7 +31,7 @@ def follow(rank: StageRank) -> None:
             rank.reset()
             continue
         assert msg.plan is not None
-        rank.step(msg.plan, None)
+        rank.step(msg.plan, None, msg.fed)
 
 
 def main(argv: list[str]) -> int:

@@ -58,7 +58,8 @@ def _plan_to_proto(plan: StepPlan, with_tokens: bool) -> pb.StepPlan:
         pb.CachedSequence(seq_id=s.seq_id, new_block_ids=s.new_block_ids,
                           num_computed=s.num_computed_tokens, num_new=s.num_new_tokens,
                           append_token_ids=s.new_token_ids if with_tokens else (),
-                          sample=s.sample)
+                          sample=s.sample,
+                          input_from_step=s.input_from_step if with_tokens else None)
         for s in plan.cached_seqs
     ]
     copies = [pb.BlockCopy(src=c.src_block_id, dst=c.dst_block_id) for c in plan.block_copies]
@@ -114,13 +115,19 @@ def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:
         num_sequences=msg.num_sequences)
 
 
-def listen_request(epoch: int, token: bytes, host: str) -> pb.ConnectRequest:
-    """Ask a stage to listen for its upstream neighbour; `host` is the router's name for it."""
-    return pb.ConnectRequest(role=pb.LINK_ROLE_LISTEN_UPSTREAM, transport=pb.TRANSPORT_TCP,
-                             address=host, link_token=token, epoch=epoch)
+def listen_request(epoch: int, token: bytes, host: str,
+                   feedback: bool = False) -> pb.ConnectRequest:
+    """Ask a stage to listen for its upstream neighbour (or, `feedback`, the first stage for
+    the last stage's sampled ids); `host` is the router's name for it."""
+    role = pb.LINK_ROLE_LISTEN_FEEDBACK if feedback else pb.LINK_ROLE_LISTEN_UPSTREAM
+    return pb.ConnectRequest(role=role, transport=pb.TRANSPORT_TCP, address=host,
+                             link_token=token, epoch=epoch)
 
 
-def connect_request(epoch: int, token: bytes, address: str) -> pb.ConnectRequest:
-    """Ask a stage to dial its downstream neighbour's listener at `address` (host:port)."""
-    return pb.ConnectRequest(role=pb.LINK_ROLE_CONNECT_DOWNSTREAM, transport=pb.TRANSPORT_TCP,
-                             address=address, link_token=token, epoch=epoch)
+def connect_request(epoch: int, token: bytes, address: str,
+                    feedback: bool = False) -> pb.ConnectRequest:
+    """Ask a stage to dial its downstream neighbour's listener (or, `feedback`, the last
+    stage the first stage's feedback listener) at `address` (host:port)."""
+    role = pb.LINK_ROLE_CONNECT_FEEDBACK if feedback else pb.LINK_ROLE_CONNECT_DOWNSTREAM
+    return pb.ConnectRequest(role=role, transport=pb.TRANSPORT_TCP, address=address,
+                             link_token=token, epoch=epoch)

@@ -1,11 +1,12 @@
 """The router's side of the pipeline: one control channel and one Run stream per stage.
 
 `Pipeline.start()` describes every stage, checks they form one pipeline, links the data
-plane (each stage i > 0 listens, stage i-1 connects to it, with a fresh token per link) and
-opens the Run streams. Plans go down every stream, each stage getting what it reads
-(`router.pipeline.convert`); answers come up, the last stage's with sampled tokens. Any
-broken stream, stage error or step past its timeout marks the pipeline down; `start()` again
-brings it back with a new epoch.
+plane (each stage i > 0 listens, stage i-1 connects to it; with P > 1 stages the first
+stage listens and the last connects for the feedback link that carries sampled ids back,
+the run-ahead inputs; a fresh token per link) and opens the Run streams. Plans go down
+every stream, each stage getting what it reads (`router.pipeline.convert`); answers come
+up, the last stage's with sampled tokens. Any broken stream, stage error or step past its
+timeout marks the pipeline down; `start()` again brings it back with a new epoch.
 """
 
 from __future__ import annotations
@@ -111,11 +112,18 @@ class Pipeline:
         return self.shape
 
     async def _link(self) -> None:
-        """Stage i+1 listens, stage i connects: a fresh token per link, per epoch."""
+        """Stage i+1 listens, stage i connects; with more than one stage, the first stage
+        listens for the last stage's feedback link (the run-ahead inputs). A fresh token per
+        link, per epoch."""
+        timeout = self.connect_timeout_s
         for up, down in zip(self.stages, self.stages[1:], strict=False):
             token = secrets.token_bytes(32)
-            address = await down.listen(self.epoch, token, self.connect_timeout_s)
-            await up.connect(self.epoch, token, address, self.connect_timeout_s)
+            address = await down.listen(self.epoch, token, timeout)
+            await up.connect(self.epoch, token, address, timeout)
+        if len(self.stages) > 1:
+            token = secrets.token_bytes(32)
+            address = await self.stages[0].listen(self.epoch, token, timeout, feedback=True)
+            await self.stages[-1].connect(self.epoch, token, address, timeout, feedback=True)
 
     async def send(self, plan: StepPlan) -> None:
         """Write one plan to every stage's stream (in pipeline order); a broken stream marks

@@ -56,15 +56,21 @@ class StageClient:
             raise PipelineError(f"stage {self.index} at {self.address}: "
                                 f"{describe_error(e)}") from e
 
-    async def listen(self, epoch: int, token: bytes, timeout_s: float) -> str:
-        """Make this stage listen for its upstream neighbour; returns the host:port to dial."""
+    async def listen(self, epoch: int, token: bytes, timeout_s: float,
+                     feedback: bool = False) -> str:
+        """Make this stage listen for its upstream neighbour (`feedback`: the first stage,
+        for the last stage's sampled ids); returns the host:port to dial."""
         host = self.address.rpartition(":")[0] or "127.0.0.1"
-        reply = await self.stub.Connect(listen_request(epoch, token, host), timeout=timeout_s)
+        reply = await self.stub.Connect(listen_request(epoch, token, host, feedback),
+                                        timeout=timeout_s)
         return str(reply.address)
 
-    async def connect(self, epoch: int, token: bytes, address: str, timeout_s: float) -> None:
-        """Make this stage dial its downstream neighbour at `address`."""
-        await self.stub.Connect(connect_request(epoch, token, address), timeout=timeout_s)
+    async def connect(self, epoch: int, token: bytes, address: str, timeout_s: float,
+                      feedback: bool = False) -> None:
+        """Make this stage dial its downstream neighbour (`feedback`: the last stage, the
+        first stage's feedback listener) at `address`."""
+        await self.stub.Connect(connect_request(epoch, token, address, feedback),
+                                timeout=timeout_s)
 
     def open_run(self) -> None:
         """Open a new Run stream (the stage drops every sequence of an older one)."""

@@ -33,7 +33,6 @@ from stage_worker.dataplane.transport import (
     LinkClosedError,
     LinkListener,
     LinkUnreachableError,
-    StepMismatchError,
     Transport,
     TransportError,
     TransportTimeout,
@@ -154,12 +153,12 @@ class TcpTransport(Transport):
                 self.close()
                 raise
 
-    def recv(self, expected_step_id: int, timeout_s: float | None = None) -> list[torch.Tensor]:
+    def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._recv_lock:
             self._raise_if_closed()
             try:
-                step_id, tensors = self._read_message(deadline, timeout_s)
+                return self._read_message(deadline, timeout_s)
             except TransportTimeout as e:
                 if e.link_closed:
                     self.close()
@@ -167,9 +166,6 @@ class TcpTransport(Transport):
             except BaseException:  # protocol error, dead peer, interrupt: stream unframed
                 self.close()
                 raise
-        if step_id != expected_step_id:
-            raise StepMismatchError(expected_step_id, step_id)
-        return tensors
 
     def _read_message(
         self, deadline: float | None, timeout_s: float | None

@@ -120,7 +120,6 @@ class Transport(abc.ABC):
             LinkClosedError: the peer went away or the link was closed.
         """
 
-    @abc.abstractmethod
     def recv(self, expected_step_id: int, timeout_s: float | None = None) -> list[torch.Tensor]:
         """Receive the next message, which must belong to ``expected_step_id``.
 
@@ -137,6 +136,22 @@ class Transport(abc.ABC):
             TransportTimeout: ``timeout_s`` ran out (see its ``link_closed``).
             LinkClosedError: the peer went away or the link was closed.
             ProtocolError: the peer broke the wire format; the link was closed.
+        """
+        step_id, tensors = self.recv_any(timeout_s)
+        if step_id != expected_step_id:
+            raise StepMismatchError(expected_step_id, step_id)
+        return tensors
+
+    @abc.abstractmethod
+    def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
+        """Receive the next message, whatever its step: for a receiver that does not know
+        which step comes next (the first stage's feedback link keeps what arrives by step).
+
+        Returns:
+            (the message's step id, its tensors in send order).
+
+        Raises:
+            TransportTimeout, LinkClosedError, ProtocolError: as `recv`.
         """
 
     @abc.abstractmethod

@@ -35,16 +35,21 @@ def test_each_stage_gets_what_it_reads() -> None:
         new_seqs=(NewSeq(seq_id=1, token_ids=(5, 6, 7), prompt_len=3,
                          sampling=SamplingParams(temperature=0.0, seed=3), block_ids=(0,),
                          num_computed_tokens=0, num_new_tokens=3, sample=True),),
-        cached_seqs=(CachedSeq(2, (4,), 16, 1, (9,), None, True),),
+        cached_seqs=(CachedSeq(2, (4,), 16, 1, (9,), None, True),
+                     CachedSeq(4, (), 20, 1, (), 5, True)),  # run-ahead: input from step 5
         finished_seq_ids=(3,))
     first, middle, last = plan_to_protos(plan, 3)
     for msg in (first, last):
         assert list(msg.new_seqs[0].token_ids) == [5, 6, 7]
         assert list(msg.cached_seqs[0].append_token_ids) == [9]
         assert msg.new_seqs[0].sampling.seed == 3
+        assert not msg.cached_seqs[0].HasField("input_from_step")
+        assert msg.cached_seqs[1].input_from_step == 5
+        assert list(msg.cached_seqs[1].append_token_ids) == []
     assert list(middle.new_seqs[0].token_ids) == [] and not middle.new_seqs[0].HasField(
         "sampling")
     assert list(middle.cached_seqs[0].append_token_ids) == []
+    assert not middle.cached_seqs[1].HasField("input_from_step")
     for msg in (first, middle, last):  # what every stage needs
         assert msg.step_id == 7 and list(msg.free_seq_ids) == [3]
         assert list(msg.new_seqs[0].block_ids) == [0] and msg.new_seqs[0].prompt_len == 3

@@ -1,6 +1,6 @@
 """A fixed two-stage conversation with the stage leaders, shared by the TP step test and its
-worker processes: chunked prefill, batched decodes, a block copy, a free and a plan that
-computes nothing, with every runner output recorded."""
+worker processes: chunked prefill, batched decodes (run-ahead inputs among them), a block
+copy, a free and a plan that computes nothing, with every runner output recorded."""
 
 from __future__ import annotations
 
@@ -42,18 +42,21 @@ def record_outputs(runner: ModelRunner) -> list[torch.Tensor]:
 
 
 def link(first: StageLeader, last: StageLeader) -> None:
-    """A loopback data-plane link from `first` to `last`."""
+    """A loopback data-plane link from `first` to `last`, and the feedback link back."""
     token = b"t" * 32
     first.connect_downstream(last.listen_upstream("127.0.0.1", token, 0), token, 0)
+    last.connect_feedback(first.listen_feedback("127.0.0.1", token, 0), token, 0)
     deadline = time.monotonic() + 10
-    while not (first.linked and last.linked):
+    while not (first.linked and last.linked and first.links.has_feedback):
         assert time.monotonic() < deadline, "data-plane link never came up"
         time.sleep(0.01)
 
 
 def converse(first: StageLeader, last: StageLeader, prompts: list[list[int]],
              max_new: int) -> list[list[int]]:
-    """Greedy tokens per prompt after the script; ends with a reset of both stages."""
+    """Greedy tokens per prompt after the script; ends with a reset of both stages.
+    Sequence 0's decodes take their input from the previous step (run-ahead: the first
+    stage reads it from the feedback link); sequence 1's come as appended tokens."""
     a, b = prompts
     ta, tb = list(range(0, 8)), list(range(8, 16))
     split = len(b) // 2
@@ -67,10 +70,10 @@ def converse(first: StageLeader, last: StageLeader, prompts: list[list[int]],
     run(StagePlan(0, (StageNewSeq(0, tuple(a), len(a), tuple(ta), 0, len(a), True, GREEDY),
                       StageNewSeq(1, tuple(b), len(b), tuple(tb), 0, split, False, GREEDY)),
                   (), ()))
-    run(StagePlan(1, (), (StageCachedSeq(0, (), len(a), 1, (out[0][-1],), True),
+    run(StagePlan(1, (), (StageCachedSeq(0, (), len(a), 1, (), True, 0),
                           StageCachedSeq(1, (), split, len(b) - split, (), True)), ()))
     for step in range(2, max_new + 1):
-        cached = [StageCachedSeq(0, (), len(a) + step - 1, 1, (out[0][-1],), True),
+        cached = [StageCachedSeq(0, (), len(a) + step - 1, 1, (), True, step - 1),
                   StageCachedSeq(1, (), len(b) + step - 2, 1, (out[1][-1],), True)]
         run(StagePlan(step, (), tuple(cached), ()))
     # Sequence 0 goes and a block is copied into an unused one; nothing is computed.

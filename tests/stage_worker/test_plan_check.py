@@ -27,24 +27,37 @@ def _plan(*new: StageNewSeq, cached: tuple[StageCachedSeq, ...] = (),
 @pytest.mark.parametrize("tokens", [PROMPT, ()], ids=["with-tokens", "without-tokens"])
 def test_a_middle_stage_holds_no_token_ids(tokens: tuple[int, ...]) -> None:
     held = HeldSeqs(keep_tokens=False)
-    chunks, ids = held.apply(_plan(_new(1, tokens=tokens)))
-    assert ids == [] and [c.num_new for c in chunks] == [6]
+    step = held.apply(_plan(_new(1, tokens=tokens)))
+    assert step.input_ids == [] and [c.num_new for c in step.chunks] == [6]
     decode = StageCachedSeq(1, (2,), 6, 1, (77,), True)
-    chunks, ids = held.apply(StagePlan(2, (), (decode,), ()))
+    step = held.apply(StagePlan(2, (), (decode,), ()))
     seq = held.seqs[1]
-    assert ids == [] and seq.token_ids == [] and seq.output_ids == []
+    assert step.input_ids == [] and seq.token_ids == [] and seq.output_ids == []
     assert seq.sampling is None and seq.block_table == [0, 1, 2]
-    assert chunks[0].block_table == (0, 1, 2)
+    assert step.chunks[0].block_table == (0, 1, 2)
+    ahead = StageCachedSeq(1, (), 7, 1, (), True, 2)  # run-ahead: nothing to keep either
+    assert held.apply(StagePlan(3, (), (ahead,), ())).ahead == [] and seq.token_ids == []
 
 
 def test_first_and_last_stages_keep_prompt_and_outputs() -> None:
     held = HeldSeqs(keep_tokens=True)
-    _, ids = held.apply(_plan(_new(1, tokens=(*PROMPT, 11), num_new=7)))
-    assert ids == [*PROMPT, 11]
-    _, ids = held.apply(StagePlan(2, (), (StageCachedSeq(1, (), 7, 1, (12,), True),), ()))
-    assert ids == [12]
+    assert held.apply(_plan(_new(1, tokens=(*PROMPT, 11), num_new=7))).input_ids == [*PROMPT, 11]
+    step = held.apply(StagePlan(2, (), (StageCachedSeq(1, (), 7, 1, (12,), True),), ()))
+    assert step.input_ids == [12] and step.ahead == []
     seq = held.seqs[1]
     assert seq.prompt_ids == list(PROMPT) and seq.output_ids == [11] and seq.num_outputs == 1
+
+
+def test_a_run_ahead_input_joins_the_history_like_an_appended_token() -> None:
+    held = HeldSeqs(keep_tokens=True)
+    held.apply(_plan(_new(1, num_new=6), _new(2, blocks=(2, 3))))
+    held.record_sampled(1, [1, 2], [40, 41])
+    plan = StagePlan(4, (), (StageCachedSeq(2, (), 6, 1, (41,), True),
+                             StageCachedSeq(1, (4,), 6, 1, (), True, 1)), ())
+    step = held.apply(plan, fed={1: 40})
+    assert step.input_ids == [41, 40] and step.ahead == [(1, 1, 1)]
+    assert held.seqs[1].token_ids == [*PROMPT, 40] and held.seqs[2].token_ids == [*PROMPT, 41]
+    assert held.seqs[1].last_sample_step == 1 and held.seqs[1].output_ids == [40]
 
 
 def test_limits_are_named() -> None:
@@ -81,3 +94,27 @@ def test_state_contradictions_are_refused_before_anything_changes() -> None:
     freed_then_new = StagePlan(2, (_new(1),), (), (1,))
     check_plan(freed_then_new, seqs, LIMITS, needs_tokens=True)
     assert list(seqs) == [1] and seqs[1].block_table == [0, 1]
+
+
+def test_run_ahead_inputs_are_checked() -> None:
+    held = HeldSeqs()
+    held.apply(_plan(_new(1)))
+    held.record_sampled(0, [1], [50])
+    seqs = held.seqs
+
+    def check(cached: StageCachedSeq, knows_samples: bool = False) -> None:
+        check_plan(StagePlan(3, (), (cached,), ()), seqs, LIMITS, True, knows_samples)
+
+    check(StageCachedSeq(1, (), 6, 1, (), True, 0), knows_samples=True)  # first stage's view
+    with pytest.raises(PlanError, match="sequence 1 takes its input from step 0 but computes "
+                                        "2 tokens and appends 0"):
+        check(StageCachedSeq(1, (), 6, 2, (), True, 0))
+    with pytest.raises(PlanError, match="computes 1 tokens and appends 1"):
+        check(StageCachedSeq(1, (), 6, 1, (9,), True, 0))
+    with pytest.raises(PlanError, match="step 3, sequence 1 takes its input from step 3, not "
+                                        "an earlier step"):
+        check(StageCachedSeq(1, (), 6, 1, (), True, 3))
+    with pytest.raises(PlanError, match="from step 2, but this stage last sampled it at step 0"):
+        check(StageCachedSeq(1, (), 6, 1, (), True, 2), knows_samples=True)
+    check(StageCachedSeq(1, (), 6, 1, (), True, 2))  # a first stage takes it from the link
+

@@ -37,29 +37,33 @@ FULL = StagePlan(
         StageCachedSeq(3, (), 17, 1, (), True),
         StageCachedSeq(4, (12, 13), 30, 8, (99,), False),
         StageCachedSeq(5, (14,), 0, 2, (1, 2, 3), True),
+        StageCachedSeq(6, (15,), 40, 1, (), True, 2**40),  # run-ahead: input from a step
+        StageCachedSeq(2**61, (), 3, 1, (), False, 0),
     ),
     free_seq_ids=(1, 2**50, 0),
     block_copies=((3, 4), (0, 65535)),
 )
 
+FED = {6: 151, 2**61: 0}  # the run-ahead inputs the leader resolved for FULL
 ONLY_FREES = StagePlan(5, (), (), (8, 9))
 ONLY_COPIES = StagePlan(6, (), (), (), ((1, 2),))
 
 
-@pytest.mark.parametrize("plan", [EMPTY, FULL, ONLY_FREES, ONLY_COPIES],
+@pytest.mark.parametrize(("plan", "fed"), [(EMPTY, {}), (FULL, FED), (ONLY_FREES, {}),
+                                           (ONLY_COPIES, {})],
                          ids=["empty", "full", "frees", "copies"])
-def test_round_trip_through_the_wire_framing(plan: StagePlan) -> None:
-    tensors = plan_codec.encode(plan)
+def test_round_trip_through_the_wire_framing(plan: StagePlan, fed: dict[int, int]) -> None:
+    tensors = plan_codec.encode(plan, fed)
     assert len(tensors) == plan_codec.NUM_TENSORS
     assert all(t.dtype == torch.int64 for t in tensors)
-    assert plan_codec.decode(tensors) == plan
+    assert plan_codec.decode(tensors) == (plan, fed)
     step_id, received = decode_message(encode_message(plan.step_id, tensors, 1 << 30), 1 << 30)
     assert step_id == plan.step_id
-    assert plan_codec.decode(received) == plan
+    assert plan_codec.decode(received) == (plan, fed)
 
 
 def test_sampling_params_survive_bit_exact() -> None:
-    got = plan_codec.decode(plan_codec.encode(FULL))
+    got, _ = plan_codec.decode(plan_codec.encode(FULL))
     for sent, back in zip(FULL.new_seqs, got.new_seqs, strict=True):
         assert back.sampling == sent.sampling  # floats compared exactly, seeds as integers
         if sent.sampling is not None:
@@ -68,10 +72,10 @@ def test_sampling_params_survive_bit_exact() -> None:
 
 def test_decode_refuses_what_is_not_a_plan() -> None:
     tensors = plan_codec.encode(FULL)
-    with pytest.raises(PlanCodecError, match="9 int64 tensors"):
+    with pytest.raises(PlanCodecError, match="10 int64 tensors"):
         plan_codec.decode(tensors[:-1])
     bad_version = [torch.tensor([99, 1]), *tensors[1:]]
-    with pytest.raises(PlanCodecError, match="this end speaks 1"):
+    with pytest.raises(PlanCodecError, match="this end speaks 2"):
         plan_codec.decode(bad_version)
     short_tokens = [*tensors[:2], tensors[2][:-1], *tensors[3:]]
     with pytest.raises(PlanCodecError, match="ids for runs"):
@@ -95,15 +99,16 @@ class _Channel:
 
 def test_fanout_keeps_tags_and_an_empty_plan_is_a_plan() -> None:
     channel: Any = _Channel()
-    tp_fanout.send_plan(channel, EMPTY)
+    tp_fanout.send_plan(channel, EMPTY, {})
     tp_fanout.send_reset(channel)
-    tp_fanout.send_plan(channel, FULL)
+    tp_fanout.send_plan(channel, FULL, FED)
     tp_fanout.send_shutdown(channel)
     assert [m[:1] for m in channel.sent] == [b"P", b"R", b"P", b"S"]
     got = [tp_fanout.receive(channel) for _ in range(4)]
     assert [m.kind for m in got] == [FanoutKind.PLAN, FanoutKind.RESET, FanoutKind.PLAN,
                                      FanoutKind.SHUTDOWN]
     assert got[0].plan == EMPTY and got[2].plan == FULL
+    assert got[0].fed == {} and got[2].fed == FED
     channel.sent.append(b"X")
     with pytest.raises(ValueError, match="unknown TP fan-out message tag"):
         tp_fanout.receive(channel)

@@ -1,0 +1,203 @@
+"""Run-ahead inputs: the tokens the last stage sampled, as the first stage keeps them.
+
+A plan may give a sequence's one input as "the token the last stage sampled for it at step
+k" (`StageCachedSeq.input_from_step`), so the router need not wait for step k's result
+before sending the plan that continues the sequence. The first stage takes that token from
+the data plane, never from the router:
+
+- one stage (first == last): from its own result of step k, which it puts here after the
+  step, the ids still on the device (`StepTokens.device_ids`);
+- P > 1 stages: over the feedback link. After every step it runs, sampling or not, the last
+  stage sends one data-plane message on it: header step id = the step, two int64 tensors
+  `seq_ids [S]` and `token_ids [S]` (the sampling sequences in batch order; S may be 0). The
+  first stage drains the link on a background thread (`FeedbackInbox`), whether or not any
+  plan uses run-ahead, so the last stage never blocks on it.
+
+The store keeps the newest `FEEDBACK_STEPS_KEPT` steps. Steps arrive in step order, so a
+step that is missing while a later one is here never will arrive. A plan naming a step whose
+tokens do not come within the step timeout fails, naming both steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from stage_worker.dataplane import LinkClosedError, Transport, TransportError
+from stage_worker.host_transfer import to_device
+
+log = logging.getLogger("stagemesh.stage")
+
+FEEDBACK_STEPS_KEPT = 1024  # >> the 2P steps a router with run-ahead keeps outstanding
+
+
+class FeedbackMissingError(RuntimeError):
+    """A run-ahead input whose tokens did not come (in time, or at all)."""
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The tokens the last stage sampled at one step.
+
+    seq_ids / token_ids: aligned, batch order of the step's sampling sequences.
+    device_ids: [S] int64, the same tokens on the sampling device (one-stage pipeline), or
+        None (they came over the feedback link).
+    """
+
+    step_id: int
+    seq_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    device_ids: torch.Tensor | None = None
+    rows: dict[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.seq_ids) != len(self.token_ids):
+            raise ValueError(f"step {self.step_id}: {len(self.seq_ids)} sequences, "
+                             f"{len(self.token_ids)} tokens")
+        object.__setattr__(self, "rows", {s: i for i, s in enumerate(self.seq_ids)})
+
+    @classmethod
+    def from_message(cls, step_id: int, tensors: list[torch.Tensor]) -> StepTokens:
+        """A feedback-link message. Raises ValueError unless it is two int64 vectors of one
+        length."""
+        if (len(tensors) != 2 or any(t.dtype != torch.int64 or t.dim() != 1 for t in tensors)
+                or tensors[0].shape != tensors[1].shape):
+            got = [f"{list(t.shape)} {t.dtype}" for t in tensors]
+            raise ValueError(f"feedback of step {step_id} must be seq_ids [S] and token_ids "
+                             f"[S], int64; got {got}")
+        return cls(step_id, tuple(tensors[0].tolist()), tuple(tensors[1].tolist()))
+
+
+class FeedbackStore:
+    """Tokens of recent steps by step id. Thread-safe: the feedback thread puts, the step
+    thread takes."""
+
+    def __init__(self, keep: int = FEEDBACK_STEPS_KEPT) -> None:
+        self._keep = keep
+        self._steps: OrderedDict[int, StepTokens] = OrderedDict()
+        self._newest = -1
+        self._broken: str | None = None
+        self._cond = threading.Condition()
+
+    def put(self, tokens: StepTokens) -> None:
+        """Keep `tokens` (dropping the oldest step beyond the limit) and wake waiters."""
+        with self._cond:
+            self._steps[tokens.step_id] = tokens
+            self._newest = max(self._newest, tokens.step_id)
+            while len(self._steps) > self._keep:
+                self._steps.popitem(last=False)
+            self._cond.notify_all()
+
+    def break_with(self, reason: str) -> None:
+        """The feedback link failed: waiters fail now with `reason`."""
+        with self._cond:
+            self._broken = reason
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Forget every step (a new Run stream or a new link)."""
+        with self._cond:
+            self._steps.clear()
+            self._newest = -1
+            self._broken = None
+
+    def get(self, step_id: int) -> StepTokens | None:
+        with self._cond:
+            return self._steps.get(step_id)
+
+    def take(self, step_id: int, wants: Iterable[tuple[int, int]],
+             timeout_s: float) -> dict[int, int]:
+        """seq_id -> token for every (seq_id, sampled at step) that step `step_id` names,
+        waiting up to `timeout_s` for steps not here yet.
+
+        Raises:
+            FeedbackMissingError: a named step did not come in time, was skipped (a later
+                one came), was dropped as too old, or lacks the sequence; or the link broke.
+        """
+        deadline = time.monotonic() + timeout_s
+        fed: dict[int, int] = {}
+        with self._cond:
+            for seq_id, k in wants:
+                tokens = self._wait(step_id, k, deadline, timeout_s)
+                row = tokens.rows.get(seq_id)
+                if row is None:
+                    raise FeedbackMissingError(
+                        f"step {step_id}: sequence {seq_id} takes its input from step {k}, "
+                        f"which sampled no token for it")
+                fed[seq_id] = tokens.token_ids[row]
+        return fed
+
+    def _wait(self, step_id: int, k: int, deadline: float, timeout_s: float) -> StepTokens:
+        """Step k's tokens (the lock held)."""
+        while (tokens := self._steps.get(k)) is None:
+            where = f"step {step_id}: the tokens sampled at step {k}"
+            if self._broken is not None:
+                raise FeedbackMissingError(f"{where} cannot come: {self._broken}")
+            if self._newest > k:
+                raise FeedbackMissingError(f"{where} never came or were dropped (the "
+                                           f"newest step received is {self._newest})")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FeedbackMissingError(f"{where} did not arrive from the last stage "
+                                           f"within {timeout_s:g}s")
+            self._cond.wait(remaining)
+        return tokens
+
+
+def gather_device_inputs(inputs: torch.Tensor, ahead: Sequence[tuple[int, int, int]],
+                         store: FeedbackStore) -> None:
+    """Overwrite the run-ahead rows of `inputs` [T] (int64, on the device) with the tokens
+    their steps left on the device (a one-stage pipeline's own samples), without a host
+    round trip for the values. `ahead`: (row, seq_id, step) from `HeldSeqs.apply`. Rows whose
+    step kept no device ids keep the value they have."""
+    by_step: dict[int, list[tuple[int, int]]] = {}
+    for row, seq_id, k in ahead:
+        by_step.setdefault(k, []).append((row, seq_id))
+    for k, items in by_step.items():
+        tokens = store.get(k)
+        if tokens is None or tokens.device_ids is None:
+            continue
+        device = tokens.device_ids.device
+        rows = to_device([row for row, _ in items], torch.int64, device)
+        src = to_device([tokens.rows[seq_id] for _, seq_id in items], torch.int64, device)
+        inputs.index_copy_(0, rows, tokens.device_ids.index_select(0, src))
+
+
+class FeedbackInbox:
+    """The first stage's end of the feedback link: drains the link into `store`."""
+
+    def __init__(self, store: FeedbackStore) -> None:
+        self.store = store
+        self._link: Transport | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, link: Transport) -> None:
+        """Read `link` from now on (a new epoch's link replaces the old one, whose thread
+        ends when it is closed); the store starts empty."""
+        with self._lock:
+            self._link = link
+            self.store.clear()
+        threading.Thread(target=self._drain, args=(link,), daemon=True,
+                         name="feedback-recv").start()
+
+    def _drain(self, link: Transport) -> None:
+        while True:
+            try:
+                step_id, tensors = link.recv_any(timeout_s=None)
+                tokens = StepTokens.from_message(step_id, tensors)
+            except (TransportError, ValueError) as e:
+                with self._lock:
+                    current = link is self._link
+                if current:  # not replaced by a re-link: steps that wait must hear of it
+                    self.store.break_with(f"feedback link failed: {e}")
+                    if not isinstance(e, LinkClosedError):
+                        log.warning("feedback link failed: %s", e)
+                link.close()
+                return
+            self.store.put(tokens)
