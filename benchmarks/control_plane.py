@@ -22,14 +22,17 @@ from stagemesh.local_mesh import Mesh
 
 
 async def measure(address: str, seqs: int, window_s: float) -> dict[str, float]:
+    """Keep `seqs` sequences decoding (each client re-submits when its request ends), then
+    read the router's step counter and the tokens streamed over `window_s`."""
     async with RouterClient(address) as client:
         tokens = 0
 
         async def one(i: int) -> None:
             nonlocal tokens
-            async for chunk in client.generate(prompt=f"request {i}", max_tokens=100_000 // seqs,
-                                               ignore_eos=True, temperature=0.0):
-                tokens += len(chunk.token_ids)
+            while True:
+                async for chunk in client.generate(prompt=f"request {i}", max_tokens=4000,
+                                                   ignore_eos=True, temperature=0.0):
+                    tokens += len(chunk.token_ids)
 
         tasks = [asyncio.create_task(one(i)) for i in range(seqs)]
         while (await client.stats()).num_running < seqs:  # all admitted and decoding

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 from tokenizers import Tokenizer
 
 from router.detokenizer import IncrementalDetokenizer
@@ -13,24 +11,21 @@ from router.stop import StopChecker
 
 
 class ChoiceState:
-    """Turns the tokens sampled for one sequence into text deltas and decides its finish.
+    """Turns the tokens sampled for one sequence into text deltas and settles its finish.
 
-    A stop token (EOS unless ignored, or a requested stop id) ends the choice; its id counts
-    as generated but adds no text. A stop string ends it and is cut from the text (unless
-    asked to include it). `max_tokens` ends it with LENGTH.
+    The engine core applies the token-level rules and says why a token ends the choice (a
+    stop token or EOS: STOP, whose id counts as generated but adds no text; max_tokens or the
+    context: LENGTH). A stop string is found here, on the text: it ends the choice with STOP
+    and is cut from the text (unless asked to include it); the front then tells the core.
     """
 
     def __init__(self, index: int, seq_id: int, tokenizer: Tokenizer,
-                 prompt_token_ids: tuple[int, ...], max_tokens: int,
-                 stop_token_ids: Collection[int], stop: tuple[str, ...],
+                 prompt_token_ids: tuple[int, ...], stop: tuple[str, ...],
                  include_stop_str: bool, skip_special_tokens: bool) -> None:
         self.index = index
         self.seq_id = seq_id
-        self.max_tokens = max_tokens
-        self.stop_token_ids = frozenset(stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = StopChecker(stop, include_stop_str)
-        self.num_tokens = 0
         self.finish_reason: FinishReason | None = None
 
     @property
@@ -38,20 +33,19 @@ class ChoiceState:
         return self.finish_reason is not None
 
     def on_token(self, token_id: int, logprob: TokenLogprob | None,
-                 length_capped: bool = False) -> ChoiceDelta:
-        """Account one sampled token; returns the delta (maybe empty text) and sets
-        `finish_reason` when this token ends the choice. `length_capped`: the scheduler
-        ended the sequence at the model's context."""
-        self.num_tokens += 1
+                 verdict: FinishReason | None) -> ChoiceDelta:
+        """Account one sampled token; `verdict`: why the core ended the choice with it (None:
+        it did not). Returns the delta (maybe empty text) and sets `finish_reason` when the
+        choice ends with this token."""
         logprobs = (logprob,) if logprob is not None else ()
-        if token_id in self.stop_token_ids:
+        if verdict is FinishReason.STOP:  # a stop token: no text of its own
             return self._finish(FinishReason.STOP, (token_id,), logprobs, "")
         text, stopped = self.stop.process(self.detok.push(token_id))
         if stopped:
             self.finish_reason = FinishReason.STOP
             return ChoiceDelta(self.index, text, (token_id,), logprobs, FinishReason.STOP)
-        if self.num_tokens >= self.max_tokens or length_capped:
-            return self._finish(FinishReason.LENGTH, (token_id,), logprobs, text)
+        if verdict is not None:
+            return self._finish(verdict, (token_id,), logprobs, text)
         return ChoiceDelta(self.index, text, (token_id,), logprobs)
 
     def abort(self) -> ChoiceDelta:

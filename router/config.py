@@ -28,6 +28,11 @@ class RouterConfig:
             metadata); empty = no authentication. Health and reflection stay open.
         tls: the public listener's TLS (mutual with a client CA); None = plaintext.
         stage_tls: how the router reaches the stages' control APIs over TLS; None = plaintext.
+        engine_core: "process" runs the engine core (scheduler, KV accounting, pipeline
+            driver) in its own process, so the front's per-token work never delays a step;
+            "task" runs it on the front's event loop (tests, debugging).
+        run_ahead: plan a sequence's next step before its token came back to the router
+            (the stages feed it to the first stage over the data plane).
     """
 
     model_dir: Path
@@ -50,3 +55,9 @@ class RouterConfig:
     api_keys: frozenset[str] = frozenset()
     tls: ServerTls | None = None
     stage_tls: ClientTls | None = None
+    engine_core: str = "process"
+    run_ahead: bool = False
+
+    def __post_init__(self) -> None:
+        if self.engine_core not in ("process", "task"):
+            raise ValueError(f"engine_core must be 'process' or 'task', got {self.engine_core!r}")

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import grpc
 
 from foundation.tokenizer import ChatTemplateError
+from router.outputs import FailureKind, RequestFailed
 from router.scheduler import AdmissionRefusedError, InvalidRequestError
 from router.validation import ValidationError
 
@@ -27,8 +28,23 @@ class UnavailableError(RuntimeError):
     HTTP 503)."""
 
 
+class QueueFullError(RuntimeError):
+    """The engine core's queue is at a limit; retry later (RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
 class DuplicateRequestError(ValueError):
     """A request_id equal to that of a live request (ALREADY_EXISTS, HTTP 409)."""
+
+
+def failure_error(failed: RequestFailed) -> Exception:
+    """The exception a request's failure item stands for (mapped by `status_for`)."""
+    if failed.kind is FailureKind.RESOURCE_EXHAUSTED:
+        return QueueFullError(failed.message)
+    if failed.kind is FailureKind.INVALID_ARGUMENT:
+        return InvalidRequestError(failed.message)
+    if failed.kind is FailureKind.UNAVAILABLE:
+        return UnavailableError(failed.message)
+    return RuntimeError(failed.message)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
@@ -39,7 +55,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
-    if isinstance(exc, AdmissionRefusedError):
+    if isinstance(exc, AdmissionRefusedError | QueueFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)

@@ -42,7 +42,11 @@ class RequestDone:
 
 
 class FailureKind(Enum):
-    UNAVAILABLE = "unavailable"  # a stage down past the recovery budget, or draining
+    """Why the server ended a request; each maps to one status at the edge."""
+
+    UNAVAILABLE = "unavailable"  # a stage down past the recovery budget, or stopping
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # the core's queue is full: retry later
+    INVALID_ARGUMENT = "invalid_argument"  # the core can never run it as given
     INTERNAL = "internal"
 
 

@@ -2,14 +2,13 @@
 `router.convert`; exceptions become statuses in `router.errors`.
 
 The gRPC server (with health) is up while the pipeline starts, but what the service answers
-with (the request limits, the model's context) depends on what the stages report. So the
-servicer is handed a future of the `ServedModel`, built once from the pipeline's shape and
-never changed; until it resolves, calls get UNAVAILABLE.
+with (the request limits, the model's context) depends on what the stages report. The
+engine core sends it once (`ServedInfo`, in the front's `served` future), built from the
+pipeline's shape and never changed; until then calls get UNAVAILABLE.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,44 +18,44 @@ from foundation.tokenizer import ModelTokenizer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from router.convert import delta_to_proto, generate_from_proto, prompt_from_proto, usage_to_proto
-from router.engine import Engine
-from router.errors import ModelNotFoundError, UnavailableError, stream_errors, unary_errors
+from router.core.messages import ServedInfo
+from router.errors import (
+    ModelNotFoundError,
+    UnavailableError,
+    failure_error,
+    stream_errors,
+    unary_errors,
+)
+from router.frontend import Frontend
 from router.outputs import ChoiceDelta, RequestDone, RequestFailed
-from router.pipeline import PipelineState
-from router.requests import RequestLimits
 from router.validation import validate_prompt, validate_request
 
 
 @dataclass(frozen=True)
 class ServedModel:
     """What this router serves, once the stages reported: the name clients use, the limits
-    a request is checked against, and the pipeline's layout for GetModelInfo."""
+    a request is checked against and the pipeline's layout (`info`)."""
 
     name: str
-    limits: RequestLimits
-    dtype: str
-    tp_size: int
-    num_stages: int
-    block_size: int
+    info: ServedInfo
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, engine: Engine, tokenizer: ModelTokenizer,
-                 served: asyncio.Future[ServedModel]) -> None:
-        self.engine = engine
+    def __init__(self, front: Frontend, tokenizer: ModelTokenizer, model_name: str) -> None:
+        self.front = front
         self.tokenizer = tokenizer
-        self._served = served
+        self.model_name = model_name
         self.draining = False
 
     def _model(self, requested: str = "") -> ServedModel:
         """The served model; UNAVAILABLE while starting, NOT_FOUND for another name."""
-        if not self._served.done():
+        served = self.front.served
+        if not served.done() or served.exception() is not None:
             raise UnavailableError("the router is starting: its pipeline is not up yet")
-        served = self._served.result()
-        if requested and requested != served.name:
+        if requested and requested != self.model_name:
             raise ModelNotFoundError(f"model {requested!r} is not served here (this router "
-                                     f"serves {served.name!r})")
-        return served
+                                     f"serves {self.model_name!r})")
+        return ServedModel(self.model_name, served.result())
 
     @stream_errors
     async def Generate(self, request: pb.GenerateRequest,
@@ -64,21 +63,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         served = self._model(request.model)
         if self.draining:
             raise UnavailableError("the router is draining; retry on another replica")
-        req = validate_request(generate_from_proto(request), served.limits, self.tokenizer)
-        async for items in self.engine.submit(req):
+        req = validate_request(generate_from_proto(request), served.info.limits, self.tokenizer)
+        async for items in self.front.submit(req):
             for item in items:
                 if isinstance(item, ChoiceDelta):
                     yield delta_to_proto(req.request_id, item)
                 elif isinstance(item, RequestDone):
                     yield usage_to_proto(req.request_id, item.usage)
                 elif isinstance(item, RequestFailed):
-                    raise UnavailableError(item.message)
+                    raise failure_error(item)
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         served = self._model(request.model)
-        ids = validate_prompt(prompt_from_proto(request), served.limits, self.tokenizer)
+        ids = validate_prompt(prompt_from_proto(request), served.info.limits, self.tokenizer)
         tokens = [self.tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens,
                                    prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
@@ -87,11 +86,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
         served = self._model()
-        limits = served.limits
+        info, limits = served.info, served.info.limits
         return pb.GetModelInfoResponse(
             model=served.name, context_length=limits.max_model_len,
-            vocab_size=limits.vocab_size, num_stages=served.num_stages,
-            tp_size=served.tp_size, block_size=served.block_size, dtype=served.dtype,
+            vocab_size=limits.vocab_size, num_stages=info.num_stages,
+            tp_size=info.tp_size, block_size=info.block_size, dtype=info.dtype,
             max_tokens_limit=limits.max_tokens_cap, max_n=limits.max_n,
             max_logprobs=limits.max_logprobs,
         )
@@ -100,23 +99,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         self._model()
-        stats = self.engine.scheduler.stats()
-        kv = stats.kv
-        ready = self.engine.pipeline.state is PipelineState.READY
-        stages = []
-        for i, info in enumerate(await self.engine.pipeline.stage_stats()):
-            if info is None:
-                stages.append(pb.StageStats(stage=i, ready=False))
-                continue
-            stages.append(pb.StageStats(
-                stage=i, layer_start=info.layer_start, layer_end=info.layer_end,
-                kv_blocks_used=info.kv_blocks_used, kv_blocks_total=info.num_kv_blocks,
-                num_sequences=info.num_sequences, ready=ready))
-        hit = kv.prefix_hit_tokens / kv.prefix_query_tokens if kv.prefix_query_tokens else 0.0
+        stats = await self.front.stats()
+        stages = [pb.StageStats(stage=s.stage, ready=s.ready, layer_start=s.layer_start,
+                                layer_end=s.layer_end, kv_blocks_used=s.kv_blocks_used,
+                                kv_blocks_total=s.kv_blocks_total,
+                                num_sequences=s.num_sequences) for s in stats.stages]
+        hit = (stats.prefix_hit_tokens / stats.prefix_query_tokens
+               if stats.prefix_query_tokens else 0.0)
         return pb.GetStatsResponse(
             num_waiting=stats.num_waiting, num_running=stats.num_running,
-            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.num_blocks,
-            kv_blocks_cached=kv.num_cached_free_blocks, prefix_cache_hit_rate=hit,
-            stages=stages, steps=self.engine.steps,
-            requests_finished=self.engine.requests_finished,
+            kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_cached=stats.kv_blocks_cached, prefix_cache_hit_rate=hit,
+            stages=stages, steps=stats.steps,
+            requests_finished=self.front.requests_finished,
         )

@@ -110,7 +110,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--startup-budget", str(args.startup_budget),
               "--recovery-budget", str(args.recovery_budget),
               "--step-timeout", str(args.step_timeout),
-              "--stream-interval", str(args.stream_interval)]
+              "--stream-interval", str(args.stream_interval),
+              "--engine-core", args.engine_core]
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:

@@ -1,5 +1,5 @@
-"""The engine, the pipeline driver and the InferenceService in one process, over real stage
-servicers running the null model (no weights: the last stage answers token
+"""The engine core, the pipeline driver, the front and the InferenceService in one process,
+over real stage servicers running the null model (no weights: the last stage answers token
 (seq_id + tokens already output) mod vocab). Real gRPC, real data plane, no subprocess: each
 test takes well under a second of mesh time.
 
@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from foundation.ports import free_port
-from router.capacity import CapacityError
+from router.frontend import CoreStartError
 from router.client import RouterClient
 from tests.default_model import default_model_dir
 from tests.router.inprocess import in_process_mesh, stage_configs, start_stage
@@ -138,9 +138,10 @@ def test_router_flags_beyond_a_stage_fail_with_one_line_naming_it(model_dir: Pat
                                max_num_batched_tokens=512)[1]
 
     async def run() -> None:
-        with pytest.raises(CapacityError) as info:
+        with pytest.raises(CoreStartError) as info:
             async with in_process_mesh(configs, max_num_batched_tokens=1024):
                 pass
+        assert info.value.kind == "capacity"
         message = str(info.value)
         assert "--max-num-batched-tokens 1024 exceeds" in message
         assert "stage 1" in message and "(512)" in message
@@ -159,6 +160,7 @@ def test_calls_before_the_pipeline_is_up_are_unavailable(model_dir: Path) -> Non
     async def run() -> None:
         app = RouterApp(RouterConfig(
             model_dir=model_dir, model_name="m", port=free_port(), startup_budget_s=20,
+            engine_core="task",
             stage_addresses=tuple(f"127.0.0.1:{c.port}" for c in configs)))
         starting = asyncio.create_task(app.start())
         address = f"127.0.0.1:{app.cfg.port}"

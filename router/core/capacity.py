@@ -1,6 +1,6 @@
-"""What the router may plan, from its flags, the model and what the stages reported.
+"""What the core may plan, from the router's flags, the model and what the stages reported.
 
-Pure: `plan_capacity` turns (RouterConfig, ModelConfig, PipelineShape) into the scheduler's
+Pure: `plan_capacity` turns (CoreConfig, ModelConfig, PipelineShape) into the scheduler's
 and the KV manager's configs and the request limits, or refuses flags the stages cannot
 honour with one line that says what to change.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from foundation.model_config import ModelConfig
 from kvcache import KVCacheConfig
-from router.config import RouterConfig
+from router.core.config import CoreConfig
 from router.pipeline import PipelineShape
 from router.requests import RequestLimits
 from router.scheduler import SchedulerConfig
@@ -34,7 +34,7 @@ class Capacity:
     limits: RequestLimits
 
 
-def plan_capacity(cfg: RouterConfig, model: ModelConfig, shape: PipelineShape) -> Capacity:
+def plan_capacity(cfg: CoreConfig, model: ModelConfig, shape: PipelineShape) -> Capacity:
     """Raises CapacityError when --max-num-batched-tokens or --max-num-seqs exceed the
     smallest stage's, naming that stage."""
     step_tokens = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
@@ -51,7 +51,7 @@ def plan_capacity(cfg: RouterConfig, model: ModelConfig, shape: PipelineShape) -
                     max_len, shape.num_kv_blocks, shape.block_size)
     scheduler = SchedulerConfig(
         max_num_batched_tokens=step_tokens, max_num_seqs=cfg.max_num_seqs,
-        max_model_len=max_len, max_inflight_steps=shape.num_stages,
+        max_model_len=max_len, max_inflight_steps=shape.num_stages, run_ahead=cfg.run_ahead,
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
     kv = KVCacheConfig(shape.num_kv_blocks, shape.block_size, cfg.enable_prefix_caching)
     return Capacity(scheduler, kv, RequestLimits(max_model_len=max_len,

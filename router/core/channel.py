@@ -1,0 +1,97 @@
+"""The sockets between the fronts and the engine core (ZeroMQ over IPC).
+
+The core binds one PULL socket that every front PUSHes to; each front binds its own PULL
+socket for outputs and says where in its `Hello`, and the core PUSHes that front's messages
+there. Sends never block (no high-water mark): a send is a copy into ZeroMQ's queue, so the
+core's step loop never waits on a front. Receives are asyncio.
+"""
+
+from __future__ import annotations
+
+import zmq
+import zmq.asyncio
+
+from router.core.messages import Codec, CoreMessage, FrontMessage, Hello
+
+
+def _push(ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 10)  # the peer may bind a moment later (start-up)
+    sock.connect(address)
+    return sock
+
+
+class CoreEndpoint:
+    """The core's end: receive from every front, send to one."""
+
+    def __init__(self, input_address: str) -> None:
+        self._codec = Codec()
+        self._actx = zmq.asyncio.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(input_address)
+        self._fronts: dict[int, zmq.Socket[bytes]] = {}
+
+    async def receive(self) -> FrontMessage:
+        data = await self._pull.recv()
+        msg = self._codec.front_decoder.decode(data)
+        if isinstance(msg, Hello):
+            self._connect(msg)
+        return msg
+
+    def _connect(self, hello: Hello) -> None:
+        old = self._fronts.pop(hello.front, None)
+        if old is not None:
+            old.close()
+        self._fronts[hello.front] = _push(self._ctx, hello.address)
+
+    @property
+    def fronts(self) -> list[int]:
+        return list(self._fronts)
+
+    def send(self, front: int, msg: CoreMessage) -> None:
+        """Queue `msg` for `front` (dropped if that front never said hello)."""
+        sock = self._fronts.get(front)
+        if sock is not None:
+            sock.send(self._codec.encoder.encode(msg), copy=False)
+
+    def broadcast(self, msg: CoreMessage) -> None:
+        data = self._codec.encoder.encode(msg)
+        for sock in self._fronts.values():
+            sock.send(data, copy=False)
+
+    def close(self) -> None:
+        for sock in self._fronts.values():
+            sock.close()
+        self._pull.close(linger=0)
+        self._ctx.term()
+        self._actx.term()
+
+
+class FrontEndpoint:
+    """A front's end: send to the core, receive what the core sends this front."""
+
+    def __init__(self, front: int, core_address: str, output_address: str) -> None:
+        self._codec = Codec()
+        self._actx = zmq.asyncio.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(output_address)
+        self._push = _push(self._ctx, core_address)
+        self.send(Hello(front, output_address))
+
+    def send(self, msg: FrontMessage) -> None:
+        self._push.send(self._codec.encoder.encode(msg), copy=False)
+
+    async def receive(self) -> CoreMessage:
+        return self._codec.core_decoder.decode(await self._pull.recv())
+
+    def close(self) -> None:
+        self._push.close()
+        self._pull.close(linger=0)
+        self._ctx.term()
+        self._actx.term()

@@ -1,0 +1,47 @@
+"""The engine core's configuration: a subset of the router's, passed to the core process as
+JSON on its command line (no pickle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from foundation.tls import ClientTls
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Attributes:
+        model_dir: the model directory (the core reads its config.json only).
+        stage_addresses: host:port of each stage's control service, in pipeline order.
+        stage_tls: how the core reaches the stages over TLS; None = plaintext.
+        input_address: the ZeroMQ address the core binds for its fronts' messages.
+        max_model_len / max_num_seqs / max_num_batched_tokens / max_queued_requests /
+            max_queued_tokens / enable_prefix_caching: as `RouterConfig`.
+        startup_budget_s / recovery_budget_s / step_timeout_s: as `RouterConfig`.
+        run_ahead: plan a sequence's next step before its token came back (the stages feed
+            the token to the first stage over the data plane).
+    """
+
+    model_dir: str
+    stage_addresses: tuple[str, ...]
+    input_address: str
+    stage_tls: ClientTls | None = None
+    max_model_len: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20
+    enable_prefix_caching: bool = True
+    startup_budget_s: float = 300.0
+    recovery_budget_s: float = 60.0
+    step_timeout_s: float = 30.0
+    run_ahead: bool = False
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> CoreConfig:
+        return msgspec.json.decode(text, type=cls)

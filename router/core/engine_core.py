@@ -1,0 +1,350 @@
+"""The engine core: the scheduler, KV accounting and the pipeline driver, and nothing else.
+
+It runs in its own process (`router.core.process`), so the fronts' per-token work
+(detokenization, stop strings, streaming to clients) never delays a step. Its loop plans a
+step whenever the pipeline has room and answers each step's outcome with one `StepOutputs`
+per front. It applies the token-level rules itself (stop token ids and EOS, max_tokens, the
+context limit), so it never plans a token past them; stop strings are a front's, reported
+back with `FinishSeqs`, and tokens sampled after a finish the core learned late are
+discarded by the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+from foundation.model_config import ModelConfig
+from router.core.capacity import plan_capacity
+from router.core.config import CoreConfig
+from router.core.messages import (
+    FINISH_LENGTH,
+    FINISH_NONE,
+    FINISH_STOP,
+    AddRequest,
+    CoreMessage,
+    CoreState,
+    CoreStats,
+    Failed,
+    FinishSeqs,
+    FrontMessage,
+    Hello,
+    LogprobEntry,
+    Refused,
+    ServedInfo,
+    Shutdown,
+    StageStat,
+    StatsRequest,
+    front_of,
+    pack_outputs,
+)
+from router.pipeline import Pipeline, PipelineShape, PipelineState, StepOutcome
+from router.scheduler import (
+    AdmissionRefusedError,
+    ChoiceSpec,
+    FinishReason,
+    Scheduler,
+    SchedulerError,
+    StepPlan,
+)
+
+log = logging.getLogger("stagemesh.core")
+
+
+class OutputSink(Protocol):
+    """Where the core's messages go (`CoreEndpoint`, or a list in tests)."""
+
+    def send(self, front: int, msg: CoreMessage) -> None: ...
+
+    def broadcast(self, msg: CoreMessage) -> None: ...
+
+
+class SeqRules:
+    """The token-level rules of one live sequence, and what the core reported of it."""
+
+    __slots__ = ("generated", "logprobs", "max_tokens", "reported_cached", "stop_ids")
+
+    def __init__(self, max_tokens: int, stop_ids: frozenset[int], logprobs: bool) -> None:
+        self.max_tokens = max_tokens
+        self.stop_ids = stop_ids
+        self.logprobs = logprobs
+        self.generated = 0
+        self.reported_cached = False
+
+
+class FrontBatch:
+    """One front's share of a step's outcome, being filled."""
+
+    __slots__ = ("cached", "finish", "logprobs", "seq_ids", "token_ids")
+
+    def __init__(self) -> None:
+        self.seq_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.finish: list[int] = []
+        self.logprobs: list[LogprobEntry] = []
+        self.cached: list[tuple[int, int]] = []
+
+
+class EngineCore:
+    """Owns the scheduler and the pipeline; one per router. Single event loop."""
+
+    def __init__(self, cfg: CoreConfig, model: ModelConfig, pipeline: Pipeline,
+                 sink: OutputSink) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.pipeline = pipeline
+        self.sink = sink
+        pipeline.on_outcome = self._on_outcome
+        pipeline.on_failure = self._on_failure
+        self.scheduler: Scheduler | None = None
+        self.served: ServedInfo | None = None
+        self.rules: dict[int, SeqRules] = {}
+        self.steps = 0
+        self._cached: dict[int, list[tuple[int, int]]] = {}  # front -> not yet reported
+        self._wake = asyncio.Event()
+        self.stopped = asyncio.Event()  # a front said Shutdown
+        self._sent_at: dict[int, float] = {}
+        self._down_since: float | None = None
+        self._was_ready = False
+        self.start_error: CoreState | None = None  # set when start() failed
+
+    # --- lifetime --------------------------------------------------------------------------
+
+    async def start(self) -> ServedInfo:
+        """Bring the pipeline up within the startup budget and build the scheduler.
+
+        Raises PipelineError or CapacityError (both reported to the fronts by `run`)."""
+        shape = await self.pipeline.start(self.cfg.startup_budget_s)
+        self.scheduler, self.served = self._build(shape)
+        return self.served
+
+    def _build(self, shape: PipelineShape) -> tuple[Scheduler, ServedInfo]:
+        capacity = plan_capacity(self.cfg, self.model, shape)
+        served = ServedInfo(capacity.limits, shape.dtype, shape.tp_size, shape.num_stages,
+                            shape.block_size)
+        return Scheduler(capacity.scheduler, capacity.kv), served
+
+    async def serve(self) -> None:
+        """Step until a front says Shutdown (or the task is cancelled). A bug that ends the
+        step loop or the watchdog is raised here, never left as a silent stall."""
+        self._publish_state()
+        tasks = [asyncio.create_task(self._step_loop(), name="core-steps"),
+                 asyncio.create_task(self._watch_steps(), name="core-step-watchdog")]
+        stopped = asyncio.create_task(self.stopped.wait())
+        try:
+            await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                if task.done():
+                    task.result()  # raises what ended it
+        finally:
+            for task in (*tasks, stopped):
+                task.cancel()
+            await asyncio.gather(*tasks, stopped, return_exceptions=True)
+
+    def handle(self, msg: FrontMessage) -> None:
+        """Apply one front message (the receive loop calls it for each)."""
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, FinishSeqs):
+            self._finish(msg)
+        elif isinstance(msg, Hello):
+            self.sink.send(msg.front, self._state())
+        elif isinstance(msg, StatsRequest):
+            asyncio.create_task(self._stats(msg))  # noqa: RUF006 (answers on its own)
+        elif isinstance(msg, Shutdown):
+            self.stopped.set()
+        self._wake.set()
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler is not None and self.pipeline.state is PipelineState.READY
+
+    def _state(self) -> CoreState:
+        return self.start_error or CoreState(self.ready, self.served)
+
+    def _publish_state(self) -> None:
+        if self.ready != self._was_ready:
+            self._was_ready = self.ready
+            self.sink.broadcast(self._state())
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _add(self, msg: AddRequest) -> None:
+        scheduler = self.scheduler
+        front = front_of(msg.seq_ids[0])
+        if scheduler is None or self._down_past_budget():
+            self.sink.send(front, Failed(msg.seq_ids, "the pipeline is down past its recovery "
+                                                      "budget" if scheduler else "starting"))
+            return
+        choices = [ChoiceSpec(s, p) for s, p in zip(msg.seq_ids[1:], msg.sampling[1:],
+                                                     strict=True)]
+        try:
+            scheduler.add_request(msg.seq_ids[0], msg.prompt, msg.sampling[0],
+                                  priority=msg.priority, extra_choices=choices)
+        except AdmissionRefusedError as e:
+            self.sink.send(front, Refused(msg.seq_ids, "resource_exhausted", str(e)))
+            return
+        except SchedulerError as e:
+            self.sink.send(front, Refused(msg.seq_ids, "invalid_argument", str(e)))
+            return
+        stop_ids = frozenset(msg.stop_token_ids)
+        for seq_id, params in zip(msg.seq_ids, msg.sampling, strict=True):
+            self.rules[seq_id] = SeqRules(msg.max_tokens, stop_ids, params.logprobs is not None)
+
+    def _finish(self, msg: FinishSeqs) -> None:
+        reason = FinishReason(msg.reason)
+        for seq_id in msg.seq_ids:
+            if self.rules.pop(seq_id, None) is not None and self.scheduler is not None:
+                self.scheduler.finish(seq_id, reason)
+
+    def _down_past_budget(self) -> bool:
+        return (self.pipeline.state is not PipelineState.READY and self._down_since is not None
+                and time.monotonic() - self._down_since > self.cfg.recovery_budget_s)
+
+    # --- the step loop ---------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self.pipeline.state is PipelineState.DOWN:
+                await self._recover()
+                continue
+            scheduler = self.scheduler
+            assert scheduler is not None
+            while self.pipeline.state is PipelineState.READY:
+                plan = scheduler.schedule()
+                if plan is None:
+                    break
+                self._sent_at[plan.step_id] = time.monotonic()
+                self.steps += 1
+                self._note_prefix_hits(plan)
+                await self.pipeline.send(plan)
+
+    def _note_prefix_hits(self, plan: StepPlan) -> None:
+        """A sequence's first prefill starts at its prefix-cache hits; reported once."""
+        for seq in plan.new_seqs:
+            rules = self.rules.get(seq.seq_id)
+            if rules is not None and not rules.reported_cached:
+                rules.reported_cached = True
+                self._cached.setdefault(front_of(seq.seq_id), []).append(
+                    (seq.seq_id, seq.num_computed_tokens))
+
+    def _on_outcome(self, outcome: StepOutcome) -> None:
+        self._sent_at.pop(outcome.step_id, None)
+        scheduler = self.scheduler
+        assert scheduler is not None
+        update = scheduler.update(outcome.step_id, outcome.tokens)
+        capped = set(update.length_capped_seq_ids)
+        batches: dict[int, FrontBatch] = {}
+        for seq_id, token in update.new_tokens.items():
+            rules = self.rules.get(seq_id)
+            if rules is None:
+                continue
+            code = self._verdict(seq_id, token, rules, seq_id in capped)
+            batch = batches.get(front_of(seq_id))
+            if batch is None:
+                batch = batches[front_of(seq_id)] = FrontBatch()
+            batch.seq_ids.append(seq_id)
+            batch.token_ids.append(token)
+            batch.finish.append(code)
+            if rules.logprobs and (lp := outcome.logprobs.get(seq_id)) is not None:
+                batch.logprobs.append(LogprobEntry(seq_id, lp.token_id, lp.logprob,
+                                                   list(lp.top)))
+        self._send_batches(batches)
+        self._wake.set()
+
+    def _verdict(self, seq_id: int, token: int, rules: SeqRules, capped: bool) -> int:
+        """The FINISH_* code of a sequence's new token; ends the sequence when it is one."""
+        rules.generated += 1
+        if token in rules.stop_ids:
+            code = FINISH_STOP
+        elif capped or rules.generated >= rules.max_tokens:
+            code = FINISH_LENGTH
+        else:
+            return FINISH_NONE
+        del self.rules[seq_id]
+        if not capped:  # a capped sequence was already ended by the scheduler
+            assert self.scheduler is not None
+            self.scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
+                                  else FinishReason.LENGTH)
+        return code
+
+    def _send_batches(self, batches: dict[int, FrontBatch]) -> None:
+        for front, batch in batches.items():
+            cached = self._cached.pop(front, [])
+            self.sink.send(front, pack_outputs(batch.seq_ids, batch.token_ids, batch.finish,
+                                               batch.logprobs, cached))
+
+    async def _watch_steps(self) -> None:
+        """A step with no result past `step_timeout_s` marks the pipeline down (a hung
+        stage is detected, never waited on for ever). Steps are answered in order, so
+        only the oldest outstanding one needs watching."""
+        period = min(1.0, self.cfg.step_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self._publish_state()
+            if not self._sent_at or self.pipeline.state is not PipelineState.READY:
+                continue
+            oldest = min(self._sent_at)
+            if time.monotonic() - self._sent_at[oldest] > self.cfg.step_timeout_s:
+                self.pipeline.mark_down(f"step {oldest} got no result within "
+                                        f"{self.cfg.step_timeout_s:.0f}s")
+
+    # --- failures --------------------------------------------------------------------------
+
+    def _on_failure(self, reason: str) -> None:
+        """A stage failed: keep every request (the core has its tokens), preempt all
+        sequences for recompute, and re-link when the stages are back."""
+        self._down_since = time.monotonic()
+        self._sent_at.clear()
+        assert self.scheduler is not None
+        preempted = self.scheduler.preempt_all()
+        log.warning("pipeline failure (%s): %d sequence(s) preempted for recompute", reason,
+                    preempted)
+        self._publish_state()
+        self._wake.set()
+
+    async def _recover(self) -> None:
+        assert self._down_since is not None
+        budget = self.cfg.recovery_budget_s - (time.monotonic() - self._down_since)
+        try:
+            await self.pipeline.start(max(budget, 0.0))
+        except Exception as e:
+            self._fail_all(f"pipeline stage unavailable past the recovery budget: {e}")
+            await asyncio.sleep(1.0)
+            self._wake.set()  # keep trying in the background; readiness stays NOT_SERVING
+            return
+        self._down_since = None
+        self._publish_state()
+        self._wake.set()
+
+    def _fail_all(self, message: str) -> None:
+        log.error("%s; failing %d sequence(s)", message, len(self.rules))
+        by_front: dict[int, list[int]] = {}
+        assert self.scheduler is not None
+        for seq_id in list(self.rules):
+            by_front.setdefault(front_of(seq_id), []).append(seq_id)
+            self.scheduler.abort(seq_id)
+        self.rules.clear()
+        for front, seq_ids in by_front.items():
+            self.sink.send(front, Failed(seq_ids, message))
+
+    # --- stats -----------------------------------------------------------------------------
+
+    async def _stats(self, msg: StatsRequest) -> None:
+        assert self.scheduler is not None
+        stats = self.scheduler.stats()
+        kv = stats.kv
+        ready = self.ready
+        stages = []
+        for i, info in enumerate(await self.pipeline.stage_stats()):
+            stages.append(StageStat(i, False) if info is None else StageStat(
+                i, ready, info.layer_start, info.layer_end, info.kv_blocks_used,
+                info.num_kv_blocks, info.num_sequences))
+        self.sink.send(msg.front, CoreStats(
+            msg.request_id, stats.num_waiting, stats.num_running, kv.num_used_blocks,
+            kv.num_blocks, kv.num_cached_free_blocks, kv.prefix_query_tokens,
+            kv.prefix_hit_tokens, self.steps, stages))

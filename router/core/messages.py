@@ -1,0 +1,188 @@
+"""The messages between the router's fronts and its engine core (msgpack, via msgspec).
+
+Fronts send requests, finishes and aborts in; the core sends, once per step and per front,
+one `StepOutputs` holding every token of that front's sequences as packed int64 arrays (no
+per-token Python object crosses the channel). Everything else (refusals, failures, the
+core's state, stats) is rare and small.
+
+Sequence ids are allocated by the fronts (`front_id << SEQ_ID_FRONT_SHIFT | counter`), so a
+front needs no round trip to name the sequences of a request, and the core routes a
+sequence's tokens to the front that owns it by its id alone.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import msgspec
+
+from foundation.sampling_params import SamplingParams
+from router.requests import RequestLimits
+from router.scheduler import FinishReason
+
+SEQ_ID_FRONT_SHIFT = 40
+
+# StepOutputs.finish codes: why the core ended a sequence with this token (0: it did not).
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_REASONS = {FINISH_STOP: FinishReason.STOP, FINISH_LENGTH: FinishReason.LENGTH}
+
+
+def front_of(seq_id: int) -> int:
+    """The front that allocated `seq_id`."""
+    return seq_id >> SEQ_ID_FRONT_SHIFT
+
+
+# --- front -> core ---------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag=True, array_like=True):
+    """A front introduces itself: where its outputs go."""
+
+    front: int
+    address: str
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """One request: a sequence per choice (n > 1 shares the prompt's blocks).
+
+    stop_token_ids: tokens that end a choice (EOS included unless the request ignores it);
+    max_tokens: tokens a choice may generate. The core applies both, so no token is planned
+    past them; stop strings are the front's (it reports them with `FinishSeqs`).
+    """
+
+    seq_ids: list[int]
+    prompt: list[int]
+    sampling: list[SamplingParams]
+    priority: int
+    max_tokens: int
+    stop_token_ids: list[int]
+
+
+class FinishSeqs(msgspec.Struct, tag=True, array_like=True):
+    """End sequences the front decided on: a stop string ("stop") or a cancel ("abort")."""
+
+    seq_ids: list[int]
+    reason: str
+
+
+class StatsRequest(msgspec.Struct, tag=True, array_like=True):
+    front: int
+    request_id: int
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Drain the stages and exit (the router is stopping)."""
+
+
+FrontMessage = Hello | AddRequest | FinishSeqs | StatsRequest | Shutdown
+
+
+# --- core -> front ---------------------------------------------------------------------------
+
+
+class LogprobEntry(msgspec.Struct, array_like=True):
+    seq_id: int
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """The tokens of one step for one front's sequences, in step order.
+
+    seq_ids / token_ids: packed int64 (`array("q")`), aligned; finish: packed int8, aligned,
+    a FINISH_* code. logprobs: only for sequences that asked for them. cached: (seq_id,
+    prompt tokens found in the prefix cache) of sequences whose first prefill was planned.
+    """
+
+    seq_ids: bytes
+    token_ids: bytes
+    finish: bytes
+    logprobs: list[LogprobEntry] = []
+    cached: list[tuple[int, int]] = []
+
+    def unpack(self) -> tuple[list[int], list[int], list[int]]:
+        """(seq_ids, token_ids, finish codes) as Python lists."""
+        seqs, tokens, finish = array("q"), array("q"), array("b")
+        seqs.frombytes(self.seq_ids)
+        tokens.frombytes(self.token_ids)
+        finish.frombytes(self.finish)
+        return seqs.tolist(), tokens.tolist(), finish.tolist()
+
+
+class Refused(msgspec.Struct, tag=True, array_like=True):
+    """A request the core did not admit. status: "resource_exhausted" (queue full; retry)
+    or "invalid_argument" (can never run)."""
+
+    seq_ids: list[int]
+    status: str
+    message: str
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """Sequences the core gave up on (a stage down past the recovery budget)."""
+
+    seq_ids: list[int]
+    message: str
+
+
+class ServedInfo(msgspec.Struct, array_like=True):
+    """What the stages' capacity implies for the public API."""
+
+    limits: RequestLimits
+    dtype: str
+    tp_size: int
+    num_stages: int
+    block_size: int
+
+
+class CoreState(msgspec.Struct, tag=True, array_like=True):
+    """The core's state, sent at every change. `served` is set once the pipeline was up once;
+    `error` is set when the core could not start (it exits after sending it), with `kind`
+    "capacity" (a flag exceeds a stage) or "pipeline" (the stages never came up)."""
+
+    ready: bool
+    served: ServedInfo | None = None
+    error: str = ""
+    kind: str = ""
+
+
+class StageStat(msgspec.Struct, array_like=True):
+    stage: int
+    ready: bool
+    layer_start: int = 0
+    layer_end: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_sequences: int = 0
+
+
+class CoreStats(msgspec.Struct, tag=True, array_like=True):
+    request_id: int
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    steps: int
+    stages: list[StageStat]
+
+
+CoreMessage = StepOutputs | Refused | Failed | CoreState | CoreStats
+
+
+def pack_outputs(seq_ids: list[int], token_ids: list[int], finish: list[int],
+                 logprobs: list[LogprobEntry], cached: list[tuple[int, int]]) -> StepOutputs:
+    return StepOutputs(array("q", seq_ids).tobytes(), array("q", token_ids).tobytes(),
+                       array("b", finish).tobytes(), logprobs, cached)
+
+
+class Codec:
+    """Encoders and decoders for both directions (reuse one per socket: msgspec caches)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.front_decoder = msgspec.msgpack.Decoder(FrontMessage)
+        self.core_decoder = msgspec.msgpack.Decoder(CoreMessage)

@@ -1,0 +1,272 @@
+"""The router's front: requests in, text out. Runs beside the public gRPC servicer.
+
+A request's life here: `submit` allocates its sequence ids and sends it to the engine core
+(`router.core`); each step's `StepOutputs` from the core goes through the choices' stop
+strings and incremental detokenization (`ChoiceState`), and the deltas queue per request,
+`stream_interval` tokens at a time. A choice a stop string ended is reported back to the
+core (`FinishSeqs`); a stream whose consumer went away aborts its request once. Everything
+the core decides (admission, stop tokens, max_tokens, the context limit, failures) arrives
+as messages; nothing here waits on a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from foundation.tokenizer import ModelTokenizer
+from router.choice import ChoiceState
+from router.core.channel import FrontEndpoint
+from router.core.messages import (
+    FINISH_NONE,
+    FINISH_REASONS,
+    SEQ_ID_FRONT_SHIFT,
+    AddRequest,
+    CoreMessage,
+    CoreState,
+    CoreStats,
+    Failed,
+    FinishSeqs,
+    Refused,
+    ServedInfo,
+    Shutdown,
+    StatsRequest,
+    StepOutputs,
+)
+from router.errors import DuplicateRequestError
+from router.outputs import (
+    ChoiceDelta,
+    FailureKind,
+    RequestDone,
+    RequestFailed,
+    StreamItem,
+    TokenLogprob,
+    Usage,
+    coalesce,
+)
+from router.requests import GenerateRequest
+
+log = logging.getLogger("stagemesh.router")
+
+_REFUSALS = {"resource_exhausted": FailureKind.RESOURCE_EXHAUSTED,
+             "invalid_argument": FailureKind.INVALID_ARGUMENT}
+
+
+class CoreStartError(RuntimeError):
+    """The engine core could not start. kind: "capacity" (a flag exceeds a stage's
+    capacity) or "pipeline" (the stages did not come up)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class RequestState:
+    request: GenerateRequest
+    choices: dict[int, ChoiceState]  # seq_id -> choice
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = -1  # prefix-cache hits of the first prefill; -1 until known
+    done: bool = False
+    pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
+    pending_tokens: int = 0
+
+
+class Frontend:
+    """One front of the router. Single event loop.
+
+    stream_interval: tokens a request accumulates before its stream is sent an update (1 =
+    every token, vLLM's default); a finish always flushes.
+    """
+
+    def __init__(self, front_id: int, endpoint: FrontEndpoint, tokenizer: ModelTokenizer,
+                 stream_interval: int = 1) -> None:
+        self.front_id = front_id
+        self.endpoint = endpoint
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.requests: dict[str, RequestState] = {}
+        self.seq_owner: dict[int, RequestState] = {}
+        self._seq_ids = itertools.count((front_id << SEQ_ID_FRONT_SHIFT) + 1)
+        self.served: asyncio.Future[ServedInfo] = asyncio.get_running_loop().create_future()
+        self.core_ready = False
+        self.requests_finished = 0
+        self._stats: dict[int, asyncio.Future[CoreStats]] = {}
+        self._stats_ids = itertools.count()
+
+    # --- requests --------------------------------------------------------------------------
+
+    def submit(self, req: GenerateRequest) -> AsyncIterator[list[StreamItem]]:
+        """Send `req` to the core; the stream yields its items, coalesced per wake-up.
+
+        Raises DuplicateRequestError when a live request has the same request_id (the
+        core's refusals and failures arrive as the stream's last item)."""
+        if req.request_id in self.requests:
+            raise DuplicateRequestError(f"request_id {req.request_id!r} is already running; "
+                                        "request ids must be unique among live requests")
+        seq_ids = [next(self._seq_ids) for _ in range(req.n)]
+        sampling = [req.sampling] * req.n
+        if req.sampling.seed is not None:  # choices of one seeded request must differ
+            sampling = [replace(req.sampling, seed=req.sampling.seed + i) for i in range(req.n)]
+        stop_ids = set(req.stop_token_ids)
+        if not req.ignore_eos:
+            stop_ids |= set(self.tokenizer.special.eos_ids)
+        state = RequestState(req, {
+            seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
+                             req.include_stop_str_in_output, req.skip_special_tokens)
+            for i, seq in enumerate(seq_ids)
+        })
+        self.requests[req.request_id] = state
+        for seq in seq_ids:
+            self.seq_owner[seq] = state
+        self.endpoint.send(AddRequest(seq_ids, list(req.prompt_token_ids), sampling,
+                                      req.priority, req.max_tokens, sorted(stop_ids)))
+        return self._stream(state)
+
+    async def _stream(self, state: RequestState) -> AsyncIterator[list[StreamItem]]:
+        """Yields every item queued since the last yield, coalesced (see `coalesce`)."""
+        try:
+            while True:
+                items = [await state.queue.get()]
+                while not state.queue.empty():
+                    items.append(state.queue.get_nowait())
+                yield coalesce(items)
+                if isinstance(items[-1], RequestDone | RequestFailed):
+                    return
+        finally:
+            if not state.done:  # the consumer went away (cancel, deadline, disconnect)
+                self.abort(state.request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state; the core frees its blocks once. False if not live."""
+        state = self.requests.get(request_id)
+        if state is None or state.done:
+            return False
+        live = [seq for seq, choice in state.choices.items() if not choice.finished]
+        for seq in live:
+            state.choices[seq].abort()
+        if live:
+            self.endpoint.send(FinishSeqs(live, "abort"))
+        self._close(state, None)
+        return True
+
+    def fail_all(self, kind: FailureKind, message: str) -> None:
+        """End every live request with `message` (the router is stopping)."""
+        for state in list(self.requests.values()):
+            self._fail(state, kind, message)
+
+    # --- from the core ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Apply the core's messages until cancelled."""
+        while True:
+            self.handle(await self.endpoint.receive())
+
+    def handle(self, msg: CoreMessage) -> None:
+        if isinstance(msg, StepOutputs):
+            self._on_outputs(msg)
+        elif isinstance(msg, Refused):
+            self._fail_seqs(msg.seq_ids, _REFUSALS.get(msg.status, FailureKind.INTERNAL),
+                            msg.message)
+        elif isinstance(msg, Failed):
+            self._fail_seqs(msg.seq_ids, FailureKind.UNAVAILABLE, msg.message)
+        elif isinstance(msg, CoreState):
+            self._on_state(msg)
+        elif isinstance(msg, CoreStats):
+            future = self._stats.pop(msg.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+
+    def _on_state(self, msg: CoreState) -> None:
+        self.core_ready = msg.ready
+        if self.served.done():
+            return
+        if msg.served is not None:
+            self.served.set_result(msg.served)
+        elif msg.error:
+            self.served.set_exception(CoreStartError(msg.kind, msg.error))
+
+    def _on_outputs(self, msg: StepOutputs) -> None:
+        seq_ids, token_ids, finish = msg.unpack()
+        for seq_id, cached in msg.cached:
+            state = self.seq_owner.get(seq_id)
+            if state is not None and state.cached_prompt_tokens < 0:
+                state.cached_prompt_tokens = cached
+        logprobs = {e.seq_id: TokenLogprob(e.token_id, e.logprob, tuple(e.top))
+                    for e in msg.logprobs}
+        stopped: list[int] = []
+        for seq_id, token, code in zip(seq_ids, token_ids, finish, strict=True):
+            state = self.seq_owner.get(seq_id)
+            if state is None or state.done:
+                continue
+            choice = state.choices[seq_id]
+            if choice.finished:
+                continue
+            delta = choice.on_token(token, logprobs.get(seq_id), FINISH_REASONS.get(code))
+            state.completion_tokens += 1
+            if code == FINISH_NONE and choice.finished:  # a stop string: tell the core
+                stopped.append(seq_id)
+            self._emit(state, delta)
+        if stopped:
+            self.endpoint.send(FinishSeqs(stopped, "stop"))
+
+    def _emit(self, state: RequestState, delta: ChoiceDelta) -> None:
+        if delta.text or delta.token_ids or delta.finish_reason is not None:
+            state.pending.append(delta)
+            state.pending_tokens += len(delta.token_ids)
+        done = all(c.finished for c in state.choices.values())
+        if state.pending and (done or delta.finish_reason is not None
+                              or state.pending_tokens >= self.stream_interval):
+            for item in coalesce(state.pending):
+                state.queue.put_nowait(item)
+            state.pending.clear()
+            state.pending_tokens = 0
+        if done:
+            usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
+                          max(0, state.cached_prompt_tokens))
+            self._close(state, RequestDone(usage))
+            self.requests_finished += 1
+
+    def _fail_seqs(self, seq_ids: list[int], kind: FailureKind, message: str) -> None:
+        states = {id(s): s for s in (self.seq_owner.get(q) for q in seq_ids) if s is not None}
+        for state in states.values():
+            self._fail(state, kind, message)
+
+    def _fail(self, state: RequestState, kind: FailureKind, message: str) -> None:
+        if state.done:
+            return
+        live = [seq for seq, choice in state.choices.items() if not choice.finished]
+        for seq in live:
+            state.choices[seq].abort()
+        if live:  # the core forgets them (a no-op for those it already dropped)
+            self.endpoint.send(FinishSeqs(live, "abort"))
+        self._close(state, RequestFailed(kind, message))
+
+    def _close(self, state: RequestState, last: StreamItem | None) -> None:
+        state.done = True
+        if last is not None:
+            state.queue.put_nowait(last)
+        self.requests.pop(state.request.request_id, None)
+        for seq in state.choices:
+            self.seq_owner.pop(seq, None)
+
+    # --- to the core -----------------------------------------------------------------------
+
+    async def stats(self, timeout_s: float = 5.0) -> CoreStats:
+        """The core's counters and every stage's live usage."""
+        request_id = next(self._stats_ids)
+        future: asyncio.Future[CoreStats] = asyncio.get_running_loop().create_future()
+        self._stats[request_id] = future
+        self.endpoint.send(StatsRequest(self.front_id, request_id))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._stats.pop(request_id, None)
+
+    def shutdown_core(self) -> None:
+        """Tell the core to drain the stages and exit."""
+        self.endpoint.send(Shutdown())
