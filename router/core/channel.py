@@ -56,12 +56,12 @@ class CoreEndpoint:
         """Queue `msg` for `front` (dropped if that front never said hello)."""
         sock = self._fronts.get(front)
         if sock is not None:
-            sock.send(self._codec.encoder.encode(msg), copy=False)
+            sock.send(self._codec.encoder.encode(msg))
 
     def broadcast(self, msg: CoreMessage) -> None:
         data = self._codec.encoder.encode(msg)
         for sock in self._fronts.values():
-            sock.send(data, copy=False)
+            sock.send(data)
 
     def close(self) -> None:
         for sock in self._fronts.values():
@@ -85,7 +85,7 @@ class FrontEndpoint:
         self.send(Hello(front, output_address))
 
     def send(self, msg: FrontMessage) -> None:
-        self._push.send(self._codec.encoder.encode(msg), copy=False)
+        self._push.send(self._codec.encoder.encode(msg))
 
     async def receive(self) -> CoreMessage:
         return self._codec.core_decoder.decode(await self._pull.recv())
