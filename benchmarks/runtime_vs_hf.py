@@ -2,7 +2,8 @@
 
 Checks logits (prefill and teacher-forced decode) and times decode steps at several batch
 sizes beside HF's forward loop (DynamicCache), plus the card's roofline measured in the
-same run. Usage (on the GPU machine):
+same run; `*_host_ms` is how long the host takes to queue one step (no wait on the GPU
+inside it). Usage (on the GPU machine):
 
     python -m benchmarks.runtime_vs_hf --shape llama3-8b --out results.json
 """
@@ -39,6 +40,20 @@ def cuda_time_ms(fn: Callable[[], object], reps: int) -> list[float]:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return times
+
+
+def host_ms(fn: Callable[[], object], reps: int) -> list[float]:
+    """Wall time of `fn` on the host alone (the GPU idle at the start, awaited after): how
+    long the host takes to queue a step. Below the step's GPU time, the host keeps ahead of
+    the card (nothing in the step waits on it)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+        torch.cuda.synchronize()
     return times
 
 
@@ -114,7 +129,9 @@ def check_logits(hf: Any, runner: StageRunner, vocab: int, prompt_len: int = 128
 
 
 @torch.inference_mode()
-def ours_decode_ms(runner: StageRunner, vocab: int, batch: int, ctx: int, steps: int) -> float:
+def ours_decode_ms(runner: StageRunner, vocab: int, batch: int, ctx: int,
+                   steps: int) -> tuple[float, float]:
+    """(median GPU ms, median host ms to queue) of a decode step over `batch` sequences."""
     blocks = -(-(ctx + steps + 8) // 16)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     ids = torch.randint(0, vocab, (batch, ctx))
@@ -132,7 +149,8 @@ def ours_decode_ms(runner: StageRunner, vocab: int, batch: int, ctx: int, steps:
 
     for _ in range(3):
         step()
-    return statistics.median(cuda_time_ms(step, steps))
+    gpu = statistics.median(cuda_time_ms(step, steps))
+    return gpu, statistics.median(host_ms(step, steps))
 
 
 @torch.inference_mode()
@@ -200,13 +218,15 @@ def main() -> None:
     for b in batches:
         kv_bytes = b * args.ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
         floor_ms = (weight_bytes + kv_bytes) / (roof["copy_TBps"] * 1e12) * 1e3
-        ours = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
+        ours, ours_host = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
         with eager(runner):
-            ours_eager = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
+            ours_eager, eager_host = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx,
+                                                    args.steps)
         with eager(runner, reference_attention=True):
-            ours_ref = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
+            ours_ref, _ = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
         theirs = hf_decode_ms(hf, cfg.vocab_size, b, args.ctx, args.steps)
-        rows.append({"batch": b, "ours_ms": ours, "ours_eager_ms": ours_eager,
+        rows.append({"batch": b, "ours_ms": ours, "ours_host_ms": ours_host,
+                     "ours_eager_ms": ours_eager, "ours_eager_host_ms": eager_host,
                      "ours_eager_reference_attention_ms": ours_ref,
                      "hf_forward_loop_ms": theirs, "speedup_vs_hf": theirs / ours,
                      "roofline_ms": floor_ms, "ours_tok_s": b / ours * 1e3})

@@ -10,6 +10,8 @@ from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from stage_worker.plan import StageCachedSeq, StageNewSeq, StageOutcome, StagePlan
 
+_new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
+
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
@@ -24,18 +26,21 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
     new = tuple(
         StageNewSeq(s.seq_id, tuple(s.token_ids), s.prompt_len, tuple(s.block_ids), s.num_computed,
-               s.num_new, s.sample,
-               sampling_from_proto(s.sampling) if s.HasField("sampling") else None)
+                    s.num_new, s.sample,
+                    sampling_from_proto(s.sampling) if s.HasField("sampling") else None)
         for s in msg.new_seqs
     )
-    cached = tuple(
-        StageCachedSeq(s.seq_id, tuple(s.new_block_ids), s.num_computed, s.num_new,
-                       tuple(s.append_token_ids), s.sample,
-                       s.input_from_step if s.HasField("input_from_step") else None)
-        for s in msg.cached_seqs
-    )
-    copies = tuple((c.src, c.dst) for c in msg.block_copies)
-    return StagePlan(msg.step_id, new, cached, tuple(msg.free_seq_ids), copies)
+    return StagePlan(msg.step_id, new, tuple(map(_cached_from_proto, msg.cached_seqs)),
+                     tuple(msg.free_seq_ids), tuple((c.src, c.dst) for c in msg.block_copies))
+
+
+def _cached_from_proto(s: pb.CachedSequence) -> StageCachedSeq:
+    """The hot path of the conversion (every running sequence, every step)."""
+    blocks, tokens = s.new_block_ids, s.append_token_ids
+    return _new_tuple(StageCachedSeq, (
+        s.seq_id, tuple(blocks) if blocks else (), s.num_computed, s.num_new,
+        tuple(tokens) if len(tokens) != 1 else (tokens[0],), s.sample,
+        s.input_from_step if s.HasField("input_from_step") else None))
 
 
 def outcome_to_proto(outcome: StageOutcome) -> pb.StepResult:

@@ -23,6 +23,7 @@ import torch
 from kernels.paged_attention import PagedAttentionMetadata
 from kernels.rotary import rope_cos_sin
 from stage_worker.forward_context import ForwardContext
+from stage_worker.host_transfer import to_device
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.step_input import SeqChunk
 
@@ -115,19 +116,24 @@ class DecodeGraphs:
 
     def run(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
         """Replay for `chunks` (see `covers`); returns hidden states [n, H] (a view of the
-        graph's output, valid until the next replay)."""
+        graph's output, valid until the next replay). `inputs` [n] or [n, H] on the device.
+
+        The block tables and lengths are staged on the host as one int32 array and uploaded
+        without blocking; every other buffer update is a device-side copy or fill.
+        """
         n = len(chunks)
         b = next(size for size in self.buckets if size >= n)
+        width = max(len(c.block_table) for c in chunks)
+        rows = []
         for c in chunks:
             if len(c.block_table) * self.block_size < c.num_computed + 1:
                 raise ValueError(f"sequence {c.seq_id}: {len(c.block_table)} blocks cannot hold "
                                  f"{c.num_computed + 1} tokens (block size {self.block_size})")
-        width = max(len(c.block_table) for c in chunks)
-        tables = torch.tensor([list(c.block_table) + [self.scratch_block] *
-                               (width - len(c.block_table)) for c in chunks], dtype=torch.int32)
-        lens = torch.tensor([c.num_computed + 1 for c in chunks], dtype=torch.int32)
-        self.block_tables[:n, :width].copy_(tables)
-        self.seq_lens[:n].copy_(lens)
+            rows.append([*c.block_table, *[self.scratch_block] * (width - len(c.block_table)),
+                         c.num_computed + 1])
+        staged = to_device(rows, torch.int32, self.block_tables.device)  # [n, width + 1]
+        self.block_tables[:n, :width].copy_(staged[:, :width])
+        self.seq_lens[:n].copy_(staged[:, width])
         self.inputs[:n].copy_(inputs)
         if n < b:  # padding rows: position 0 of the scratch block
             self.seq_lens[n:b].fill_(1)

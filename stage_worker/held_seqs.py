@@ -52,8 +52,8 @@ class StepInputs:
 
     def add(self, state: HeldSeq, num_computed: int, num_new: int, sample: bool) -> None:
         """Append `state`'s chunk of [num_computed, num_computed + num_new) and its inputs."""
-        self.chunks.append(SeqChunk(state.seq_id, num_computed, num_new,
-                                    tuple(state.block_table), sample))
+        self.chunks.append(SeqChunk(state.seq_id, num_computed, num_new, state.block_table,
+                                    sample))
         self.input_ids += state.token_ids[num_computed:num_computed + num_new]
 
 
@@ -94,18 +94,23 @@ class HeldSeqs:
             self.seqs[new.seq_id] = state
             self.block_refs.update(new.block_ids)
             inputs.add(state, new.num_computed, new.num_new, new.sample)
-        for cached in plan.cached_seqs:
-            state = self.seqs[cached.seq_id]
-            state.block_table += cached.new_block_ids
-            self.block_refs.update(cached.new_block_ids)
+        seqs, chunks, input_ids = self.seqs, inputs.chunks, inputs.input_ids
+        for cached in plan.cached_seqs:  # the hot loop: every running sequence, every step
+            state = seqs[cached.seq_id]
+            if cached.new_block_ids:
+                state.block_table += cached.new_block_ids
+                self.block_refs.update(cached.new_block_ids)
+            start, num_new = cached.num_computed, cached.num_new
             if keep and cached.input_from_step is not None:
                 assert fed is not None, "a run-ahead input needs its token"
-                inputs.ahead.append((len(inputs.input_ids), cached.seq_id,
-                                     cached.input_from_step))
+                inputs.ahead.append((len(input_ids), cached.seq_id, cached.input_from_step))
                 state.token_ids.append(fed[cached.seq_id])
-            elif keep:
+            elif keep and cached.append_token_ids:
                 state.token_ids += cached.append_token_ids
-            inputs.add(state, cached.num_computed, cached.num_new, cached.sample)
+            chunks.append(SeqChunk(cached.seq_id, start, num_new, state.block_table,
+                                   cached.sample))
+            if keep:
+                input_ids += state.token_ids[start:start + num_new]
         return inputs
 
     def record_sampled(self, step_id: int, seq_ids: Sequence[int],

@@ -15,6 +15,7 @@ import torch
 
 from stage_worker import tp_fanout
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
+from stage_worker.host_transfer import host_tensor
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks
 from stage_worker.plan import SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
@@ -119,8 +120,7 @@ class StageLeader:
         if rank.is_first:  # one stage: its own run-ahead inputs, the ids kept on the device
             self.feedback.put(StepTokens(step_id, seq_ids, token_ids, on_device))
         else:
-            self.links.send_feedback(step_id, [torch.tensor(seq_ids, dtype=torch.int64),
-                                               torch.tensor(token_ids, dtype=torch.int64)])
+            self.links.send_feedback(step_id, [host_tensor(seq_ids), host_tensor(token_ids)])
         return self._outcome(step_id, seq_ids, token_ids, logprobs)
 
     def _outcome(self, step_id: int, seq_ids: tuple[int, ...] = (),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from stage_worker.held_seqs import HeldSeq
+from stage_worker.host_transfer import host_tensor
 from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample
@@ -52,7 +53,7 @@ class NullRunner(ModelRunner):
 
     def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample:
         vocab = self._shape.vocab_size
-        ids = torch.tensor([(s.seq_id + s.num_outputs) % vocab for s in seqs], dtype=torch.int64)
+        ids = host_tensor([(s.seq_id + s.num_outputs) % vocab for s in seqs])
         wants = [s.sampling.logprobs if s.sampling else None for s in seqs]
         if all(k is None for k in wants):
             return StepSample.of([s.seq_id for s in seqs], ids, wants)

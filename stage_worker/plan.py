@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from foundation.sampling_params import SamplingParams
 
@@ -28,9 +29,9 @@ class StageNewSeq:
     sampling: SamplingParams | None  # read by the last stage only
 
 
-@dataclass(frozen=True)
-class StageCachedSeq:
-    """A sequence the stage holds, continued as a diff.
+class StageCachedSeq(NamedTuple):
+    """A sequence the stage holds, continued as a diff (a NamedTuple: a step carries
+    hundreds of these, and building them is on every step's path).
 
     append_token_ids: tokens sampled since the previous plan (the first stage's inputs).
     input_from_step: run-ahead: the step's one input is the token the last stage sampled

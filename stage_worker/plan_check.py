@@ -70,20 +70,35 @@ def check_plan(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
         if needs_tokens:
             _check_tokens(where, len(new.token_ids), new.num_computed + new.num_new)
     for cached in plan.cached_seqs:
-        where = _sequence(step, cached.seq_id, seen)
-        state = None if cached.seq_id in freed else held.get(cached.seq_id)
-        if state is None:
+        seq_id = cached.seq_id
+        state = None if seq_id in freed else held.get(seq_id)
+        if state is None or seq_id in seen:
+            where = _sequence(step, seq_id, seen)
             raise PlanError(f"{where} is not held by this stage")
-        _check_block_ids(step, where, cached.new_block_ids, limits.num_blocks)
-        _check_chunk(where, cached.num_computed, cached.num_new,
-                     len(state.block_table) + len(cached.new_block_ids), limits)
-        appended = len(cached.append_token_ids)
-        if cached.input_from_step is not None:
-            _check_run_ahead(where, step, cached, state if knows_samples else None)
-            appended = 1
-        if needs_tokens:
-            _check_tokens(where, len(state.token_ids) + appended,
-                          cached.num_computed + cached.num_new)
+        seen.add(seq_id)
+        _check_cached(step, cached, state, limits, needs_tokens, knows_samples)
+
+
+def _check_cached(step: int, cached: StageCachedSeq, state: HeldSeq, limits: StepLimits,
+                  needs_tokens: bool, knows_samples: bool) -> None:
+    """One held sequence's diff (the hot loop: a message is formatted only to refuse)."""
+    blocks, end = cached.new_block_ids, cached.num_computed + cached.num_new
+    num_blocks = len(state.block_table) + len(blocks)
+    if blocks and (min(blocks) < 0 or max(blocks) >= limits.num_blocks):
+        _check_block_ids(step, _where(step, cached), blocks, limits.num_blocks)
+    if cached.num_new < 1 or cached.num_computed < 0 or num_blocks * limits.block_size < end:
+        _check_chunk(_where(step, cached), cached.num_computed, cached.num_new, num_blocks,
+                     limits)
+    known = len(state.token_ids) + len(cached.append_token_ids)
+    if cached.input_from_step is not None:
+        _check_run_ahead(step, cached, state if knows_samples else None)
+        known = len(state.token_ids) + 1
+    if needs_tokens and known < end:
+        _check_tokens(_where(step, cached), known, end)
+
+
+def _where(step: int, cached: StageCachedSeq) -> str:
+    return f"step {step}, sequence {cached.seq_id}"
 
 
 def _sequence(step: int, seq_id: int, seen: set[int]) -> str:
@@ -114,19 +129,19 @@ def _check_chunk(where: str, num_computed: int, num_new: int, num_blocks: int,
                         f"(block size {limits.block_size})")
 
 
-def _check_run_ahead(where: str, step: int, cached: StageCachedSeq,
-                     sampled: HeldSeq | None) -> None:
+def _check_run_ahead(step: int, cached: StageCachedSeq, sampled: HeldSeq | None) -> None:
     """A run-ahead input: one token, none appended, sampled at an earlier step (and, where
     `sampled` is given, the step that sampled the sequence last)."""
     k = cached.input_from_step
     if cached.num_new != 1 or cached.append_token_ids:
-        raise PlanError(f"{where} takes its input from step {k} but computes "
+        raise PlanError(f"{_where(step, cached)} takes its input from step {k} but computes "
                         f"{cached.num_new} tokens and appends {len(cached.append_token_ids)}")
     if k is None or not 0 <= k < step:
-        raise PlanError(f"{where} takes its input from step {k}, not an earlier step")
+        raise PlanError(f"{_where(step, cached)} takes its input from step {k}, not an "
+                        "earlier step")
     if sampled is not None and sampled.last_sample_step != k:
-        raise PlanError(f"{where} takes its input from step {k}, but this stage last sampled "
-                        f"it at step {sampled.last_sample_step}")
+        raise PlanError(f"{_where(step, cached)} takes its input from step {k}, but this stage "
+                        f"last sampled it at step {sampled.last_sample_step}")
 
 
 def _check_tokens(where: str, known: int, needed: int) -> None:

@@ -16,6 +16,7 @@ from kernels.paged_attention import uses_triton_kernel
 from kernels.rotary import rope_inv_freq
 from stage_worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from stage_worker.held_seqs import HeldSeq
+from stage_worker.host_transfer import to_device, upload
 from stage_worker.kv_pool import KVPool, KVPoolShape
 from stage_worker.loader import load_stage_weights, load_stage_weights_from_tensors
 from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
@@ -78,12 +79,12 @@ class StageRunner(ModelRunner):
             load_stage_weights_from_tensors(self.model, weights, model_cfg.tie_word_embeddings)
         self.model.eval()
         scaling = model_cfg.rope_scaling
-        self.inv_freq = rope_inv_freq(
+        self.inv_freq = rope_inv_freq(  # on the device: each step's rope is computed there
             model_cfg.head_dim, model_cfg.rope_theta,
             None if scaling is None else (scaling.factor, scaling.low_freq_factor,
                                           scaling.high_freq_factor,
                                           scaling.original_max_position_embeddings),
-        )
+        ).to(cfg.device)
         heads = shard_heads(model_cfg.num_heads, model_cfg.num_kv_heads, self.tp.size,
                             self.tp.rank)
         self._pool_shape = KVPoolShape(len(cfg.layers), 0, cfg.block_size, heads.num_kv,
@@ -156,15 +157,19 @@ class StageRunner(ModelRunner):
         Returns hidden states [T, H] on a non-last stage; on the last stage, fp32 logits
         [S, V] for the chunks with `sample` set, in chunk order.
         """
+        device = self.cfg.device
+        inputs = upload(inputs, device)  # a no-op for inputs already there
         if self.graphs is not None and self.use_graphs and self.graphs.covers(chunks):
-            hidden = self.graphs.run(chunks, inputs.to(self.cfg.device))
+            hidden = self.graphs.run(chunks, inputs)
         else:
-            ctx = build_context(chunks, self.cfg.block_size, self.inv_freq, self.cfg.device)
-            hidden = self.model(inputs.to(self.cfg.device), self.kv.layers(), ctx)
+            ctx = build_context(chunks, self.cfg.block_size, self.inv_freq, device)
+            hidden = self.model(inputs, self.kv.layers(), ctx)
         if not self.is_last:
             return hidden
-        rows = torch.tensor(sample_rows(chunks), dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden[rows])
+        rows = sample_rows(chunks)
+        if len(rows) < hidden.shape[0]:  # not every row samples (prefill chunks)
+            hidden = hidden[to_device(rows, torch.int64, device)]
+        return self.model.compute_logits(hidden)
 
     def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample:
         """`scores`: the fp32 logits [S, V] `execute` returned; see `step_sampling`."""
@@ -175,8 +180,7 @@ class StageRunner(ModelRunner):
         """Copy KV block src -> dst in every layer (copy-on-write of shared blocks)."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.cfg.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.cfg.device)
+        src, dst = to_device(list(zip(*pairs, strict=True)), torch.int64, self.cfg.device)
         # cache: [layers, 2, blocks, ...]; one gather/scatter over all layers at once.
         self.kv.cache[:, :, dst] = self.kv.cache[:, :, src]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from foundation.sampling_params import SamplingParams
+from stage_worker.host_transfer import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -100,7 +101,7 @@ class SamplingBatch:
         requested = [p.logprobs for p in params if p.logprobs is not None]
 
         def column(values: Sequence[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, torch.device(device))  # built on the host
 
         # A mask is built only if some sampled (non-greedy) row uses it.
         uses_top_k = any(p.top_k > 0 for p in random_rows)
@@ -155,7 +156,7 @@ def _build_penalties(
     output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return to_device(values, torch.float32, torch.device(device))
 
     return PenaltyInputs(
         prompt_mask=prompt_mask[:, :vocab_size],
@@ -169,9 +170,8 @@ def _build_penalties(
 def _padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
     """[S, max(1, longest row)] int64, short rows filled with `pad`."""
     width = max(1, max((len(r) for r in rows), default=0))
-    return torch.tensor(
-        [[*r, *([pad] * (width - len(r)))] for r in rows], dtype=torch.int64, device=device
-    )
+    return to_device([[*r, *([pad] * (width - len(r)))] for r in rows], torch.int64,
+                     torch.device(device))
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyInputs) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from stage_worker.feedback import FeedbackStore, gather_device_inputs
 from stage_worker.held_seqs import HeldSeqs
-from stage_worker.host_transfer import upload
+from stage_worker.host_transfer import host_tensor, upload
 from stage_worker.model_runner import ModelRunner
 from stage_worker.parallel import TPGroup
 from stage_worker.plan import StagePlan
@@ -68,7 +68,7 @@ class StageRank:
         if not step.chunks:
             return step.chunks, None
         if self.is_first:
-            inputs = upload(torch.tensor(step.input_ids, dtype=torch.long), self.shape.device)
+            inputs = upload(host_tensor(step.input_ids), self.shape.device)
             if on_device is not None and step.ahead:
                 gather_device_inputs(inputs, step.ahead, on_device)
         else:
@@ -83,7 +83,7 @@ class StageRank:
         shape = self.shape
         if self.tp.rank == 0:
             assert upstream is not None, "rank 0 of a non-first stage needs its activations"
-            buf = upstream.to(shape.device)
+            buf = upload(upstream, shape.device)
         else:
             buf = torch.empty(num_tokens, shape.hidden_size, dtype=shape.dtype,
                               device=shape.device)

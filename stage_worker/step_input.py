@@ -1,24 +1,34 @@
-"""One step's work for a stage, as domain objects, and the tensors built from it."""
+"""One step's work for a stage, as domain objects, and the tensors built from it.
+
+`build_context` computes a step's layout on the host (counts in Python, per-token values
+with a few CPU tensor ops), packs every integer array into one int64 tensor, uploads it
+once without blocking (`host_transfer.upload`), and derives the rope tables on the device
+from the uploaded positions. The host never waits for the GPU here.
+"""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
 from kernels.paged_attention import PagedAttentionMetadata
 from kernels.rotary import rope_cos_sin
 from stage_worker.forward_context import ForwardContext
+from stage_worker.host_transfer import host_tensor, upload
 
 
-@dataclass(frozen=True)
-class SeqChunk:
-    """One sequence's share of a step.
+class SeqChunk(NamedTuple):
+    """One sequence's share of a step (a NamedTuple: a step builds hundreds of them).
 
     num_computed: tokens of the sequence already in this stage's KV cache
     num_new:      tokens computed this step (a prefill chunk, or 1 for a decode)
     block_table:  the sequence's block ids, covering at least num_computed + num_new slots
+                  (a stage passes its held sequence's own list: read it during the step
+                  that built the chunk, never keep it)
     sample:       whether the last stage samples a token from this chunk's last position
     """
 
@@ -29,54 +39,78 @@ class SeqChunk:
     sample: bool = True
 
 
+class _HostLayout(NamedTuple):
+    """A step's layout on the host: the lists the reference attention reads and the
+    integer tensors (CPU) to upload."""
+
+    seq_lens: list[int]
+    query_start: list[int]
+    max_query_len: int
+    decode_seqs: tuple[int, ...]
+    prefill_seqs: tuple[int, ...]
+    arrays: list[torch.Tensor]  # block tables [S, M], seq_lens, query_start, positions, slots,
+    #                             then (mixed steps) decode rows and decode indices; int64
+
+
 def build_context(chunks: Sequence[SeqChunk], block_size: int, inv_freq: torch.Tensor,
                   device: torch.device) -> ForwardContext:
     """Positions, rope tables, KV slots and attention layout for `chunks`, on `device`.
 
+    `inv_freq` [head_dim / 2] should live on `device` (rope is computed there).
     Raises ValueError when a block table is too short for its chunk.
     """
-    max_blocks = max(len(c.block_table) for c in chunks)
-    table_rows, seq_lens, q_lens = [], [], []
-    for c in chunks:
-        total = c.num_computed + c.num_new
-        if len(c.block_table) * block_size < total:
-            raise ValueError(f"sequence {c.seq_id}: {len(c.block_table)} blocks cannot hold "
-                             f"{total} tokens (block size {block_size})")
-        table_rows.append(list(c.block_table) + [-1] * (max_blocks - len(c.block_table)))
-        seq_lens.append(total)
-        q_lens.append(c.num_new)
-    block_tables = torch.tensor(table_rows, dtype=torch.int32)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-    query_start = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-    torch.cumsum(q_lens_t, 0, out=query_start[1:])
-    # Token t belongs to sequence seq_of[t] and sits at position seq_len - q_len + offset.
-    seq_of = torch.repeat_interleave(torch.arange(len(chunks)), q_lens_t)
-    offset = torch.arange(int(query_start[-1])) - query_start[seq_of]
-    positions = (seq_lens_t - q_lens_t)[seq_of] + offset
-    slots = block_tables[seq_of, positions // block_size].long() * block_size \
-        + positions % block_size
+    host = _host_layout(chunks, block_size)
+    packed = upload(torch.cat([a.reshape(-1) for a in host.arrays]), device)
+    tables, seq_lens, query_start, positions, slots, *decode = packed.split(
+        [a.numel() for a in host.arrays])
     cos, sin = rope_cos_sin(inv_freq, positions)
+    attn = PagedAttentionMetadata(
+        block_tables=tables.view(host.arrays[0].shape).to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        query_start=query_start.to(torch.int32),
+        seq_lens_host=tuple(host.seq_lens),
+        query_start_host=tuple(host.query_start),
+        max_query_len=host.max_query_len,
+        max_seq_len=max(host.seq_lens),
+        decode_seqs=host.decode_seqs if host.prefill_seqs else (),
+        decode_rows=decode[0] if decode else None,
+        decode_index=decode[1] if decode else None,
+        prefill_seqs=host.prefill_seqs,
+    )
+    return ForwardContext(positions, cos, sin, slots, attn)
+
+
+def _host_layout(chunks: Sequence[SeqChunk], block_size: int) -> _HostLayout:
+    """Token t of the step belongs to chunk seq_of[t] and sits at position
+    seq_len - q_len + offset; its KV slot is table[position // B] * B + position % B."""
+    q_lens = [c.num_new for c in chunks]
+    seq_lens = [c.num_computed + c.num_new for c in chunks]
+    width = max(len(c.block_table) for c in chunks)
+    padded = array("q")
+    for c, total in zip(chunks, seq_lens, strict=True):
+        table = c.block_table
+        if len(table) * block_size < total:
+            raise ValueError(f"sequence {c.seq_id}: {len(table)} blocks cannot hold "
+                             f"{total} tokens (block size {block_size})")
+        padded.extend(table)
+        padded.extend([-1] * (width - len(table)))
+    query_start = [0, *accumulate(q_lens)]
+    tables = torch.frombuffer(padded, dtype=torch.int64).view(len(chunks), width)
+    lens = host_tensor(seq_lens)
+    max_query_len = max(q_lens)
+    if max_query_len == 1:  # all decodes: one token per sequence, at its last position
+        seq_of, positions = torch.arange(len(chunks)), lens - 1
+    else:
+        seq_of = torch.repeat_interleave(torch.arange(len(chunks)), host_tensor(q_lens))
+        offset = torch.arange(query_start[-1]) - host_tensor(query_start[:-1])[seq_of]
+        positions = (lens - host_tensor(q_lens))[seq_of] + offset
+    slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
     decode_seqs = tuple(i for i, n in enumerate(q_lens) if n == 1)
     prefill_seqs = tuple(i for i, n in enumerate(q_lens) if n != 1)
-    decode_rows = (torch.tensor([int(query_start[i]) for i in decode_seqs], device=device)
-                   if decode_seqs and prefill_seqs else None)
-    attn = PagedAttentionMetadata(
-        block_tables=block_tables.to(device),
-        seq_lens=seq_lens_t.to(device=device, dtype=torch.int32),
-        query_start=query_start.to(device=device, dtype=torch.int32),
-        seq_lens_host=tuple(seq_lens),
-        query_start_host=tuple(int(x) for x in query_start),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        decode_seqs=decode_seqs if prefill_seqs else (),
-        decode_rows=decode_rows,
-        decode_index=(torch.tensor(decode_seqs, device=device) if decode_rows is not None
-                      else None),
-        prefill_seqs=prefill_seqs,
-    )
-    return ForwardContext(positions.to(device), cos.to(device), sin.to(device),
-                          slots.to(device), attn)
+    arrays = [tables, lens, host_tensor(query_start), positions, slots]
+    if decode_seqs and prefill_seqs:
+        arrays += [host_tensor(query_start[i] for i in decode_seqs), host_tensor(decode_seqs)]
+    return _HostLayout(seq_lens, query_start, max_query_len, decode_seqs, prefill_seqs, arrays)
 
 
 def sample_rows(chunks: Sequence[SeqChunk]) -> list[int]:

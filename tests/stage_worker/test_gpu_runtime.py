@@ -1,4 +1,6 @@
-"""The runtime on CUDA against HF transformers on CUDA (marker `gpu`)."""
+"""The runtime on CUDA (marker `gpu`): against HF transformers on CUDA, decode graphs
+against eager steps, a decode step that waits on the GPU only for its sampled ids, and
+one-stage run-ahead inputs gathered on the device."""
 
 from __future__ import annotations
 
@@ -8,8 +10,14 @@ import pytest
 import torch
 
 from foundation.model_config import ModelConfig
+from stage_worker.build import build_stage_rank
+from stage_worker.config import StageConfig
+from stage_worker.host_transfer import HostCopy, to_device
+from stage_worker.leader import StageLeader
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig
+from stage_worker.parallel import TPGroup
 from stage_worker.partition import LayerRange
+from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan
 from stage_worker.runner import StageRunner, StageRunnerConfig
 from stage_worker.step_input import SeqChunk
 from tests.stage_worker.tiny_checkpoints import write_tiny_checkpoint
@@ -88,3 +96,77 @@ def test_profiled_pool_with_graphs(tmp_path: Path) -> None:
     first = runner.execute([SeqChunk(0, 0, 20, [5, 9])], torch.arange(20))
     out = runner.execute([SeqChunk(0, 20, 1, [5, 9])], first.argmax(-1))
     assert out.shape == (1, cfg.vocab_size) and torch.isfinite(out).all()
+
+
+def _cuda_leader(ckpt: Path, graphs: bool) -> StageLeader:
+    cfg = StageConfig(ckpt, device="cuda", dtype="float32", block_size=16, num_blocks=32,
+                      max_num_batched_tokens=256, max_num_seqs=4, enforce_eager=not graphs)
+    return StageLeader(build_stage_rank(cfg, TPGroup()), step_timeout_s=30.0)
+
+
+def _prefill(lens: dict[int, int]) -> StagePlan:
+    """Step 0: sequence s prefills `lens[s]` tokens into blocks 4s..4s+3 (64 slots)."""
+    return StagePlan(0, tuple(StageNewSeq(s, tuple(range(n)), n, tuple(range(4 * s, 4 * s + 4)),
+                                          0, n, True, None) for s, n in lens.items()), (), ())
+
+
+def _decodes(step: int, tokens: dict[int, int], lens: dict[int, int],
+             ahead: bool) -> StagePlan:
+    """Step `step` decodes every sequence: its input from step - 1 (run-ahead) or appended."""
+    return StagePlan(step, (), tuple(
+        StageCachedSeq(s, (), lens[s] + step - 1, 1, () if ahead else (tokens[s],), True,
+                       step - 1 if ahead else None) for s in sorted(lens)), ())
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_a_decode_step_waits_on_the_gpu_only_for_the_sampled_ids(graphs: bool,
+                                                                  tmp_path: Path) -> None:
+    """Everything up to the sampled ids' host copy is queued without a synchronising call
+    (torch's sync debug mode raises on one); the one wait is `StepSample.resolve`."""
+    write_tiny_checkpoint("llama_head_dim_32", tmp_path)
+    leader = _cuda_leader(tmp_path, graphs)
+    lens = {1: 5, 2: 23, 3: 40}
+    tokens = leader.run_step(_prefill(lens)).sampled
+    tokens = leader.run_step(_decodes(1, tokens, lens, ahead=False)).sampled  # warm-up
+    rank, plan = leader.rank, _decodes(2, tokens, lens, ahead=True)
+    fed = {s: rank.held.seqs[s].output_ids[-1] for s in lens}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        chunks, scores = rank.step(plan, None, fed, leader.feedback)
+        assert scores is not None
+        sample = rank.sample(chunks, scores)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ids, _ = sample.resolve()
+    assert len(ids) == 3 and sample.token_ids.device.type == "cuda"
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_one_stage_run_ahead_on_cuda_gives_the_appended_inputs_tokens(graphs: bool,
+                                                                      tmp_path: Path) -> None:
+    """Run-ahead inputs gathered on the device (and copied into the graphs' buffers) give
+    the tokens of the same steps with the inputs appended."""
+    write_tiny_checkpoint("llama_head_dim_32", tmp_path)
+    lens = {1: 5, 2: 23, 3: 40}
+    runs = []
+    for ahead in (True, False):
+        leader = _cuda_leader(tmp_path, graphs)
+        tokens = leader.run_step(_prefill(lens)).sampled
+        seen = [tokens]
+        for step in range(1, 10):
+            tokens = leader.run_step(_decodes(step, tokens, lens, ahead)).sampled
+            seen.append(tokens)
+        runs.append(seen)
+        leader.shutdown()
+    assert runs[0] == runs[1]
+
+
+def test_host_transfers_on_cuda_keep_their_values() -> None:
+    values = [3, -1, 2**40]
+    dev = to_device(values, torch.int64, torch.device("cuda"))
+    assert dev.device.type == "cuda"
+    copy = HostCopy([dev * 2, torch.tensor([1.5])])
+    host = copy.wait()
+    assert host[0].is_pinned() and host[0].tolist() == [6, -2, 2**41]
+    assert host[1].tolist() == [1.5]

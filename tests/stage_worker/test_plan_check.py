@@ -34,7 +34,7 @@ def test_a_middle_stage_holds_no_token_ids(tokens: tuple[int, ...]) -> None:
     seq = held.seqs[1]
     assert step.input_ids == [] and seq.token_ids == [] and seq.output_ids == []
     assert seq.sampling is None and seq.block_table == [0, 1, 2]
-    assert step.chunks[0].block_table == (0, 1, 2)
+    assert list(step.chunks[0].block_table) == [0, 1, 2]
     ahead = StageCachedSeq(1, (), 7, 1, (), True, 2)  # run-ahead: nothing to keep either
     assert held.apply(StagePlan(3, (), (ahead,), ())).ahead == [] and seq.token_ids == []
 
