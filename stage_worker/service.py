@@ -16,10 +16,40 @@ from stage_worker.config import StageConfig
 from stage_worker.convert import error_to_proto, outcome_to_proto, plan_from_proto
 from stage_worker.dataplane import TransportError
 from stage_worker.leader import StageLeader
-from stage_worker.plan import PlanError
+from stage_worker.plan import PlanError, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 
 log = logging.getLogger("stagemesh.stage")
+
+# Plans converted and queued on the worker ahead of the step running (the router keeps at
+# most 2P steps outstanding; this only bounds a client that does not).
+MAX_QUEUED_STEPS = 16
+
+
+def _discard(queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None]) -> None:
+    """Steps queued behind the end of a run: their outcomes (or skips) are not read."""
+    while not queued.empty():
+        item = queued.get_nowait()
+        if item is not None:
+            item[1].add_done_callback(_ignore_result)
+
+
+def _ignore_result(future: asyncio.Future[StageOutcome]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class _SkippedStep(Exception):  # noqa: N818 (not an error: the run ended before the step)
+    """A queued step whose run stopped (an earlier step failed, the stream closed) or was
+    superseded by a newer Run or a drain."""
+
+
+@dataclass
+class _RunState:
+    """One Run stream: its generation, and whether its later steps must be skipped."""
+
+    generation: int
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,30 +134,83 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     async def Run(self, request_iterator: AsyncIterator[pb.StepPlan],
                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
-        """Plans in, results out, strictly in order. A newer Run supersedes an older one."""
+        """Plans in, results out, strictly in order. A newer Run supersedes an older one.
+
+        A reader task converts each plan as it arrives and queues its step on the worker
+        thread at once, so the worker starts step k+1 while step k's result is serialised
+        and sent (the router sends plans ahead of results). After a failed step, the steps
+        queued behind it are skipped and the stream ends with that step's error.
+        """
         self._run_generation += 1
-        generation = self._run_generation
+        run = _RunState(self._run_generation)
         await self._call(self.leader.reset)
+        queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
+        room = asyncio.Semaphore(MAX_QUEUED_STEPS)
+        reader = asyncio.create_task(self._queue_steps(request_iterator, run, queued, room))
         try:
-            async for msg in request_iterator:
-                if generation != self._run_generation or self.draining:
-                    return
-                plan = plan_from_proto(msg)
+            while (item := await queued.get()) is not None:
+                step_id, future = item
                 try:
-                    outcome = await self._call(self.leader.run_step, plan)
-                except Exception as e:
-                    if isinstance(e, PlanError):  # refused before any compute: no traceback
-                        log.error("step %d refused: %s", plan.step_id, e)
-                    else:
-                        log.exception("step %d failed", plan.step_id)
-                    yield error_to_proto(plan.step_id, f"stage {self.identity.stage_index}: "
-                                                       f"{type(e).__name__}: {e}")
+                    outcome = await future
+                except _SkippedStep:
                     return
-                yield outcome_to_proto(outcome)  # type: ignore[arg-type]
+                except Exception as e:
+                    yield self._failed(step_id, e)
+                    return
+                room.release()
+                yield outcome_to_proto(outcome)
         finally:
-            if generation == self._run_generation:
+            run.stopped = True
+            reader.cancel()
+            _discard(queued)
+            if run.generation == self._run_generation:
                 dropped = await self._call(self.leader.reset)
                 log.info("run stream closed; dropped %s sequence(s)", dropped)
+
+    async def _queue_steps(self, requests: AsyncIterator[pb.StepPlan], run: _RunState,
+                           queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None],
+                           room: asyncio.Semaphore) -> None:
+        """Each plan of `requests` onto the worker, in order; None queued at the end."""
+        loop = asyncio.get_running_loop()
+        step_id = -1
+        try:
+            async for msg in requests:
+                if self._superseded(run):
+                    break
+                await room.acquire()
+                step_id = msg.step_id
+                plan = plan_from_proto(msg)
+                future = loop.run_in_executor(self._worker, self._run_step, run, plan)
+                queued.put_nowait((step_id, future))
+        except grpc.RpcError as e:  # the client went away: the stream ends
+            log.info("run stream: %s", e)
+        except Exception as e:  # a plan that does not convert: that step's error
+            failed: asyncio.Future[StageOutcome] = loop.create_future()
+            failed.set_exception(e)
+            queued.put_nowait((step_id, failed))
+        finally:
+            queued.put_nowait(None)
+
+    def _run_step(self, run: _RunState, plan: StagePlan) -> StageOutcome:
+        """Worker thread: `plan`'s step, unless its run stopped, failed or was superseded."""
+        if run.stopped or self._superseded(run):
+            raise _SkippedStep
+        try:
+            return self.leader.run_step(plan)
+        except BaseException:
+            run.stopped = True
+            raise
+
+    def _superseded(self, run: _RunState) -> bool:
+        return run.generation != self._run_generation or self.draining
+
+    def _failed(self, step_id: int, e: Exception) -> pb.StepResult:
+        if isinstance(e, PlanError):  # refused before any compute: no traceback
+            log.error("step %d refused: %s", step_id, e)
+        else:
+            log.error("step %d failed", step_id, exc_info=e)
+        return error_to_proto(step_id, f"stage {self.identity.stage_index}: "
+                                       f"{type(e).__name__}: {e}")
 
     async def Drain(self, request: pb.DrainRequest,
                     context: grpc.aio.ServicerContext) -> pb.DrainResponse:

@@ -21,6 +21,7 @@ from stage_worker.config import StageConfig
 from stage_worker.main import stage_servicer
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
 from stage_worker.parallel import TPGroup
+from stage_worker.plan import StageOutcome, StagePlan
 from tests.stage_worker.tiny_checkpoints import write_tiny_checkpoint
 
 BLOCK, BLOCKS, MAX_TOKENS, MAX_SEQS, MAX_NEW = 8, 64, 48, 4, 8
@@ -198,3 +199,48 @@ def test_logprob_records_only_for_the_sequences_that_asked(checkpoint: Path) -> 
     (record,) = result.tokens
     assert record.token_id == tokens[5] == record.top_token_ids[0]  # greedy: the most likely
     assert len(record.top_logprobs) == 2 and record.logprob == record.top_logprobs[0] < 0
+
+
+def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: Path) -> None:
+    """The router writes plans before the results of earlier ones come back: each is queued
+    on the stage's worker as it arrives and answered in order; a refused step ends the
+    stream, and the steps queued behind it never run."""
+    servicer = stage_servicer(StageConfig(checkpoint, model_impl="null"), TPGroup())
+    ran: list[int] = []
+    run_step = servicer.leader.run_step
+
+    def recording(plan: StagePlan) -> StageOutcome:
+        ran.append(plan.step_id)
+        return run_step(plan)
+
+    servicer.leader.run_step = recording  # type: ignore[method-assign]
+
+    def decode(step: int, seq_id: int = 1) -> pb.StepPlan:
+        return pb.StepPlan(step_id=step, cached_seqs=[pb.CachedSequence(
+            seq_id=seq_id, num_computed=2 + step, num_new=1, append_token_ids=[5], sample=True)])
+
+    async def body() -> list[pb.StepResult]:
+        server = grpc.aio.server()
+        stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = stage_pb2_grpc.StageServiceStub(channel).Run()
+                plans = [prefill([1], [[1, 2, 3]], [[0]]), decode(1), decode(2, seq_id=9),
+                         decode(3), decode(4)]
+                for plan in plans:
+                    await call.write(plan)
+                results = []
+                while (result := await call.read()) is not grpc.aio.EOF:
+                    results.append(result)
+                return results
+        finally:
+            await server.stop(grace=None)
+            servicer.close()
+
+    results = asyncio.run(body())
+    assert [r.step_id for r in results] == [0, 1, 2]
+    assert sampled(results[1]) == [(1, 2)]  # the null model: seq_id + outputs so far
+    assert results[2].error.startswith("stage 0: PlanError: step 2, sequence 9 is not held")
+    assert ran == [0, 1, 2]
