@@ -32,7 +32,8 @@ class RouterConfig:
             driver) in its own process, so the front's per-token work never delays a step;
             "task" runs it on the front's event loop (tests, debugging).
         run_ahead: plan a sequence's next step before its token came back to the router
-            (the stages feed it to the first stage over the data plane).
+            (the stages feed it to the first stage over the data plane); the output is the
+            same either way. Off: every step waits for the previous one's tokens.
     """
 
     model_dir: Path
@@ -56,7 +57,7 @@ class RouterConfig:
     tls: ServerTls | None = None
     stage_tls: ClientTls | None = None
     engine_core: str = "process"
-    run_ahead: bool = False
+    run_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.engine_core not in ("process", "task"):

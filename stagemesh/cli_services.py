@@ -205,6 +205,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=30.0)
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed update (1 = every token)")
+    p.add_argument("--no-run-ahead", action="store_true",
+                   help="plan a sequence's next step only once its previous token reached the "
+                        "router (default: run ahead; the stages feed the token forward)")
     p.add_argument("--engine-core", choices=("process", "task"), default="process",
                    help="run the engine core (scheduler, KV, pipeline driver) in its own "
                         "process (default), or as a task of the router's front (debugging)")
@@ -239,7 +242,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         enable_prefix_caching=not args.no_prefix_caching,
         startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
         step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
-        engine_core=args.engine_core,
+        engine_core=args.engine_core, run_ahead=not args.no_run_ahead,
         api_keys=api_keys(args),
     )
 

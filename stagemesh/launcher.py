@@ -116,6 +116,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:
         router.append("--no-prefix-caching")
+    if args.no_run_ahead:
+        router.append("--no-run-ahead")
     # API keys travel in the environment, not in argv (which `ps` shows): the router and the
     # gateway accept the same keys; the gateway presents one of them to the router.
     keys = sorted(api_keys)

@@ -37,7 +37,7 @@ class CoreConfig:
     startup_budget_s: float = 300.0
     recovery_budget_s: float = 60.0
     step_timeout_s: float = 30.0
-    run_ahead: bool = False
+    run_ahead: bool = True
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from foundation.ports import free_port
-from router.frontend import CoreStartError
 from router.client import RouterClient
+from router.frontend import CoreStartError
 from tests.default_model import default_model_dir
 from tests.router.inprocess import in_process_mesh, stage_configs, start_stage
 
@@ -224,6 +224,52 @@ def test_default_model_two_stages_match_hf_greedy(model_dir: Path) -> None:
                 client.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0)
                 for p in prompts))
             assert [o.token_ids[0] for o in outs] == want
+            await wait_idle(client, mesh.stage_sequences)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_run_ahead_gives_the_same_tokens(model_dir: Path, num_stages: int) -> None:
+    """Null model: token (seq_id + tokens output) mod vocab is a function of what the last
+    stage holds, and a run-ahead input that went astray would desynchronise the stages'
+    histories (a plan error). Which request gets which sequence id depends on the order the
+    server takes them in, so each output is checked against its own sequence id."""
+    async def tokens(run_ahead: bool) -> list[list[int]]:
+        async with in_process_mesh(null_stages(model_dir, num_stages),
+                                   run_ahead=run_ahead) as mesh, mesh.client() as client:
+            outs = await asyncio.gather(*(
+                client.complete(prompt=f"request {i}", max_tokens=24 + i, ignore_eos=True,
+                                request_id=f"r{i}") for i in range(6)))
+            await wait_idle(client, mesh.stage_sequences)
+            return [o.token_ids[0] for o in outs]
+
+    for run_ahead in (True, False):
+        outs = asyncio.run(tokens(run_ahead))
+        assert [len(t) for t in outs] == list(range(24, 30))  # max_tokens, exactly
+        assert sorted(t[0] for t in outs) == list(range(1, 7))  # sequence ids 1..6
+        assert all(t == list(range(t[0], t[0] + len(t))) for t in outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_default_model_stop_strings_end_choices_with_and_without_run_ahead(
+        model_dir: Path, run_ahead: bool) -> None:
+    """A stop string found by the front ends the choice; with run-ahead the core has already
+    planned the next token, which must be discarded, and the blocks still come back."""
+    configs = stage_configs(model_dir, 2, num_blocks=128)
+
+    async def run() -> None:
+        async with in_process_mesh(configs, run_ahead=run_ahead) as mesh, \
+                mesh.client() as client:
+            full = await client.complete(prompt="The capital of France is", max_tokens=24,
+                                         temperature=0.0, ignore_eos=True)
+            text = full.texts[0]
+            stop = text.split()[2]  # a word in the middle of the greedy continuation
+            cut = await client.complete(prompt="The capital of France is", max_tokens=24,
+                                        temperature=0.0, ignore_eos=True, stop=[stop])
+            assert cut.finish_reasons == ["stop"]
+            assert cut.texts[0] == text[:text.index(stop)]
             await wait_idle(client, mesh.stage_sequences)
 
     asyncio.run(run())
