@@ -139,7 +139,8 @@ class EngineCore:
                 if task.done():
                     task.result()  # raises what ended it
         finally:
-            for task in (*tasks, stopped):
+            stopped.cancel()
+            for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, stopped, return_exceptions=True)
 
