@@ -2,7 +2,8 @@
 
 For CPU-only runs, CI, and hops with no GPU path. The stage that receives listens
 (`TcpListener`), the stage that sends connects (`TcpTransport.connect`); once linked, the
-stream is full duplex (the last stage also sends sampled ids back to stage 0 on it).
+stream is full duplex. The run-ahead feedback (the last stage's sampled ids, back to stage 0)
+is a link of its own, set up the same way (`stage_worker.feedback`).
 """
 
 from __future__ import annotations
