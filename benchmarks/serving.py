@@ -1,25 +1,51 @@
-"""W5 at small scale: online serving latency through the HTTP gateway beside direct gRPC.
+"""W5: online serving latency, direct gRPC and streamed HTTP through the gateway, per rate.
 
-One mesh (`stagemesh serve` with its gateway, prefix caching off) serves one Poisson arrival
-schedule at `--rate` in which requests alternate between the two paths (ABBA order): direct
-gRPC (`RouterClient`) and streamed /v1/completions through the gateway. Interleaving puts both
-paths under the same load at the same moments, so the ratio holds on a shared, noisy machine.
-Each path gets `--requests` requests; prompts are random token ids, outputs have a fixed
-length (EOS ignored). Metrics as vLLM's
-`bench serve`: TTFT from send to the first streamed token; TPOT per request = (end - first
-token) / (output tokens - 1); ITL = gaps between streamed chunks; percentiles by linear
-interpolation; warm-up requests excluded. The ratio row is gateway / gRPC.
+One mesh (`stagemesh serve` with its gateway, prefix caching off so every prompt is
+computed) serves, for each rate in `--rates`, one seeded Poisson arrival schedule of
+`--requests` requests. With both paths (`--paths grpc,http`) the requests alternate between
+them in ABBA order, half each: direct gRPC (`router.client.RouterClient`) and streamed
+/v1/completions through the gateway. Interleaving puts both paths under the same load at the
+same moments, so their ratio holds on a shared, noisy machine; the rate is the load on the
+server, both paths together. Prompts are random token ids in the ordinary-token range;
+outputs have a fixed length (EOS ignored). `--warmup` requests per path go first, one at a
+time, and are not measured.
 
-    python -m benchmarks.serving --requests 40 --rate 1
+Metrics as vLLM's `bench serve`: TTFT from send to the first streamed token; TPOT per request
+= (last token - first token) / (output tokens - 1); ITL = the gaps between streamed chunks
+that carry tokens (the gateway is asked for `return_token_ids`, so a chunk counts whether or
+not its text is empty); percentiles by linear interpolation. Throughput is over the schedule
+(first send to last response). Goodput: the requests with TTFT <= --ttft-slo-ms and TPOT <=
+--tpot-slo-ms, as a share of the path's requests (failed ones count against it) and per
+second. The ratio rows are http / grpc. The JSON goes to --out (rewritten after each rate),
+the latency-vs-rate plot next to it (.png; skipped when matplotlib is not installed:
+`python -m benchmarks.serving_plot JSON` draws it later).
+
+W5 on the GPU (`llama3-8b` shape, random bf16 weights; DIR = a tokenizer, e.g. the default
+model's directory, `stagemesh fetch-model` prints it):
+
+    python -m benchmarks.make_random_model --shape llama3-8b --tokenizer DIR --out /tmp/l8b
+    python -m benchmarks.serving --model /tmp/l8b --device cuda --stages 1 \\
+        --rates 2,8,32 --requests 500 --prompt-len 1024 --output-len 128
+
+(500 requests per rate, 250 per path; the schedules alone last about 250 + 62 + 16 s.) To run
+the rates separately, give each run its own --out, then plot them together with
+`python -m benchmarks.serving_plot A.json B.json --out W5.png`.
+
+At small scale on CPU (the default model, a few minutes):
+
+    python -m benchmarks.serving --rates 0.5,1 --requests 8 --prompt-len 64 \\
+        --output-len 16 --stages 2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +54,14 @@ import httpx2 as httpx
 import numpy as np
 
 from benchmarks.report import git_revision, print_table, write_json
+from foundation.modelstore import resolve_model
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh, free_port
 
 FIRST_ORDINARY_ID = 100  # below: special and byte tokens of the default model
+PATHS = ("grpc", "http")
+W5 = {"rates": [2.0, 8.0, 32.0], "requests": 500, "prompt_len": 1024, "output_len": 128}
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms")
 
 
 @dataclass
@@ -43,6 +73,10 @@ class Result:
     chunks: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None
+    wrote: float | None = None  # HTTP: when the request's headers began to go out
+
+
+Send = Callable[[list[int], int], Coroutine[Any, Any, Result]]
 
 
 async def grpc_request(client: RouterClient, prompt: list[int], out_len: int) -> Result:
@@ -61,10 +95,17 @@ async def grpc_request(client: RouterClient, prompt: list[int], out_len: int) ->
 async def http_request(http: httpx.AsyncClient, model: str, prompt: list[int],
                        out_len: int) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     r = Result(time.perf_counter())
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if r.wrote is None and event.endswith("send_request_headers.started"):
+            r.wrote = time.perf_counter()
+
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
+        async with http.stream("POST", "/v1/completions", json=body,
+                               extensions={"trace": trace}) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -72,112 +113,306 @@ async def http_request(http: httpx.AsyncClient, model: str, prompt: list[int],
                 event = json.loads(line[len("data: "):])
                 if event.get("usage"):
                     r.tokens = event["usage"]["completion_tokens"]
-                elif event.get("choices") and event["choices"][0]["text"]:
+                elif event.get("choices") and event["choices"][0].get("token_ids"):
                     r.chunks.append(time.perf_counter())
     except Exception as e:
         r.error = repr(e)
     return r
 
 
-async def run_schedule(sends: list[Any], prompts: list[list[int]], gaps: list[float],
-                       out_len: int) -> tuple[list[Result], float]:
-    """Request i (prompt i, sent by sends[i]) at its Poisson arrival time; (results, wall
-    time from the first arrival to the last response)."""
-    start = time.perf_counter()
-    tasks = []
-    for send, prompt, gap in zip(sends, prompts, gaps, strict=True):
-        await asyncio.sleep(gap)
+def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> list[float]:
+    """Send times (s after the start) of n Poisson arrivals at `rate` req/s; the first at 0."""
+    gaps = rng.exponential(1.0 / rate, n)
+    return [0.0, *np.cumsum(gaps[:-1]).tolist()][:n]
+
+
+def schedule(seed: int, index: int, rate: float, n: int) -> list[float]:
+    """The arrival times of the run's index-th rate (seeded: the same in every run)."""
+    return poisson_arrivals(np.random.default_rng([seed, index, 0]), rate, n)
+
+
+def abba(paths: list[str], n: int) -> list[str]:
+    """The path of each of n requests: A B B A A B B A ... (A B C C B A ... for three)."""
+    k = len(paths)
+    return [paths[i % k] if (i // k) % 2 == 0 else paths[k - 1 - i % k] for i in range(n)]
+
+
+async def run_schedule(sends: list[Send], prompts: list[list[int]], arrivals: list[float],
+                       out_len: int, start: float | None = None
+                       ) -> tuple[list[Result], float]:
+    """Request i (prompt i, sent by sends[i]) at arrivals[i] after `start` (a perf_counter
+    time; default now), whatever the earlier ones are doing; (results, wall time from the
+    first arrival to the last response)."""
+    start = time.perf_counter() if start is None else start
+    tasks: list[asyncio.Task[Result]] = []
+    for send, prompt, at in zip(sends, prompts, arrivals, strict=True):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(prompt, out_len)))
     results = list(await asyncio.gather(*tasks))
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start - arrivals[0]
 
 
-def summarize(path: str, results: list[Result], duration: float, out_len: int
-              ) -> dict[str, Any]:
+def stats(values: list[float]) -> dict[str, float]:
+    """mean, p50, p99 (linear interpolation); NaN when there is nothing to measure."""
+    arr = np.asarray(values or [float("nan")], dtype=float)
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
+            "p99": float(np.percentile(arr, 99))}
+
+
+def summarize(path: str, results: list[Result], duration: float, out_len: int,
+              ttft_slo_ms: float, tpot_slo_ms: float) -> dict[str, Any]:
+    """One table row: a path's requests at one rate."""
     ok = [r for r in results if r.error is None and r.chunks]
     ttft = [(r.chunks[0] - r.sent) * 1e3 for r in ok]
-    tpot = [(r.chunks[-1] - r.chunks[0]) * 1e3 / (r.tokens - 1) for r in ok if r.tokens > 1]
+    # TPOT of a one-token output is 0 (vLLM), so it meets any TPOT objective.
+    tpot = [(r.chunks[-1] - r.chunks[0]) * 1e3 / (r.tokens - 1) if r.tokens > 1 else 0.0
+            for r in ok]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
-    row: dict[str, Any] = {"path": path, "ok": len(ok), "failed": len(results) - len(ok),
-                           "req_s": len(ok) / duration,
-                           "out_tok_s": sum(r.tokens for r in ok) / duration}
-    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
-        arr = np.asarray(values or [float("nan")])
-        row[f"{name}_mean"] = float(arr.mean())
-        row[f"{name}_p50"] = float(np.percentile(arr, 50))
-        row[f"{name}_p99"] = float(np.percentile(arr, 99))
-    row["tokens_ok"] = all(r.tokens == out_len for r in ok)
+    good = sum(1 for a, b in zip(ttft, tpot, strict=True)
+               if a <= ttft_slo_ms and b <= tpot_slo_ms)
+    row: dict[str, Any] = {
+        "path": path, "requests": len(results), "ok": len(ok),
+        "failed": len(results) - len(ok),
+        "short": sum(1 for r in ok if r.tokens != out_len),  # finished, not out_len tokens
+        "duration_s": duration, "req_s": len(ok) / duration,
+        "out_tok_s": sum(r.tokens for r in ok) / duration}
+    for name, values in zip(LATENCIES, (ttft, tpot, itl), strict=True):
+        row |= {f"{name}_{k}": v for k, v in stats(values).items()}
+    row["goodput_pct"] = 100.0 * good / len(results) if results else float("nan")
+    row["goodput_req_s"] = good / duration
+    # The client's own delay from taking the send time to writing the request (a
+    # new connection, or a busy client): large values mean the client, not the server.
+    lag = [(r.wrote - r.sent) * 1e3 for r in ok if r.wrote is not None]
+    if lag:
+        row |= {f"send_lag_ms_{k}": v for k, v in stats(lag).items()}
+    errors = sorted({r.error for r in results if r.error})
+    if errors:
+        row["errors"] = errors[:5]
     return row
 
 
-async def measure(mesh: Mesh, args: argparse.Namespace) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(args.seed)
-    total = 2 * args.requests
-    assert mesh.gateway_url is not None
-    async with RouterClient(mesh.address) as client, \
-            httpx.AsyncClient(base_url=mesh.gateway_url, timeout=600) as http:
-        info = await client.model_info()
-        prompts = [rng.integers(FIRST_ORDINARY_ID, info.vocab_size, args.prompt_len).tolist()
-                   for _ in range(total + args.warmup)]
-        gaps = rng.exponential(1.0 / args.rate, total).tolist()
-
-        async def via_grpc(prompt: list[int], out_len: int) -> Result:
-            return await grpc_request(client, prompt, out_len)
-
-        async def via_http(prompt: list[int], out_len: int) -> Result:
-            return await http_request(http, info.model, prompt, out_len)
-
-        for prompt in prompts[:args.warmup]:  # connections, the gateway's model info, caches
-            await via_grpc(prompt, args.output_len)
-            await via_http(prompt, args.output_len)
-        grpc_first = [i % 4 in (0, 3) for i in range(total)]  # A B B A A B B A ...
-        sends = [via_grpc if g else via_http for g in grpc_first]
-        results, duration = await run_schedule(sends, prompts[args.warmup:], gaps,
-                                               args.output_len)
-    return [summarize(path, [r for r, g in zip(results, grpc_first, strict=True)
-                             if g == want], duration, args.output_len)
-            for path, want in (("grpc", True), ("gateway", False))]
-
-
-def ratio_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    grpc_row, http_row = rows
-    out: dict[str, Any] = {"path": "gateway/grpc"}
-    for key, value in grpc_row.items():
-        if key != "path" and isinstance(value, float) and value:
-            out[key] = http_row[key] / value
-        elif key != "path":
-            out[key] = ""
+def ratio_row(rate: float, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """b / a for each latency and throughput figure (a: grpc, b: http)."""
+    out: dict[str, Any] = {"rate": rate, "path": f"{b['path']}/{a['path']}"}
+    for key, value in a.items():
+        if key.endswith(("_mean", "_p50", "_p99", "req_s", "tok_s")) and value:
+            out[key] = b[key] / value
     return out
+
+
+async def run_rate(client: RouterClient, http: httpx.AsyncClient, model: str,
+                   vocab_size: int, args: argparse.Namespace, rate: float, index: int,
+                   arrivals: list[float] | None = None,
+                   ready: Callable[[], Coroutine[Any, Any, float]] | None = None
+                   ) -> tuple[list[str], list[Result], float]:
+    """One rate's warm-up and schedule: (the path of each request, its result, the
+    schedule's wall time). `arrivals` replaces the seeded schedule; `ready`, awaited after
+    the warm-up, returns the perf_counter time the schedule starts from."""
+    paths: list[str] = args.paths
+    arrivals = schedule(args.seed, index, rate, args.requests) if arrivals is None \
+        else arrivals
+    n = len(arrivals)
+    rng = np.random.default_rng([args.seed, index, 1])
+    prompts = [rng.integers(FIRST_ORDINARY_ID, vocab_size, args.prompt_len).tolist()
+               for _ in range(n + args.warmup * len(paths))]
+
+    async def via_grpc(prompt: list[int], out_len: int) -> Result:
+        return await grpc_request(client, prompt, out_len)
+
+    async def via_http(prompt: list[int], out_len: int) -> Result:
+        return await http_request(http, model, prompt, out_len)
+
+    send: dict[str, Send] = {"grpc": via_grpc, "http": via_http}
+    for i in range(args.warmup):  # connections, the gateway's model info, caches
+        for j, path in enumerate(paths):
+            r = await send[path](prompts[n + i * len(paths) + j], args.output_len)
+            if r.error:
+                raise SystemExit(f"warm-up request over {path} failed: {r.error}")
+    order = abba(paths, n)
+    start = await ready() if ready is not None else None
+    results, duration = await run_schedule([send[p] for p in order], prompts[:n], arrivals,
+                                           args.output_len, start)
+    return order, results, duration
+
+
+def rate_rows(rate: float, order: list[str], results: list[Result], duration: float,
+              args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of one rate: one per path, then the ratio http / grpc."""
+    paths: list[str] = args.paths
+    rows = [{"rate": rate, **summarize(
+        path, [r for r, p in zip(results, order, strict=True) if p == path], duration,
+        args.output_len, args.ttft_slo_ms, args.tpot_slo_ms)} for path in paths]
+    if "grpc" in paths and "http" in paths:
+        rows.append(ratio_row(rate, rows[paths.index("grpc")], rows[paths.index("http")]))
+    return rows
+
+
+@contextlib.asynccontextmanager
+async def clients(mesh: Mesh) -> AsyncIterator[tuple[RouterClient, httpx.AsyncClient]]:
+    """A gRPC client of the router and an HTTP client of the gateway (no connection cap:
+    every request of a schedule gets its own connection at once, as gRPC's streams do)."""
+    assert mesh.gateway_url is not None
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with RouterClient(mesh.address) as client, \
+            httpx.AsyncClient(base_url=mesh.gateway_url, timeout=3600, limits=limits) as http:
+        yield client, http
+
+
+def served(info: Any) -> dict[str, Any]:
+    """What the router says it serves (GetModelInfo)."""
+    return {"model": info.model, "dtype": info.dtype, "stages": info.num_stages,
+            "tp": info.tp_size, "block_size": info.block_size,
+            "context_length": info.context_length, "vocab_size": info.vocab_size}
+
+
+async def measure(mesh: Mesh, args: argparse.Namespace, config: dict[str, Any]
+                  ) -> list[dict[str, Any]]:
+    async with clients(mesh) as (client, http):
+        info = await client.model_info()
+        config["served"] = served(info)
+        print("served:", config["served"], flush=True)
+        rows: list[dict[str, Any]] = []
+        for index, rate in enumerate(args.rates):
+            order, results, duration = await run_rate(client, http, info.model,
+                                                      info.vocab_size, args, rate, index)
+            new = rate_rows(rate, order, results, duration, args)
+            rows += new
+            print_table(table(new))
+            write_json(args.out, config, rows)  # a run cut short keeps the rates it finished
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The printed view of the rows: latencies as mean / p50 / p99 in ms."""
+    out = []
+    for r in rows:
+        ratio = "/" in r["path"]
+        fmt = "{:.2f}" if ratio else "{:.1f}"
+        view: dict[str, Any] = {"rate": r["rate"], "path": r["path"],
+                                "ok": "" if ratio else r["ok"],
+                                "failed": "" if ratio else r["failed"],
+                                "req/s": r.get("req_s", ""),
+                                "out tok/s": r.get("out_tok_s", "")}
+        for name in LATENCIES:
+            view[f"{name[:-3].upper()} mean/p50/p99"] = " / ".join(
+                fmt.format(r[f"{name}_{k}"]) if f"{name}_{k}" in r else "-"
+                for k in ("mean", "p50", "p99"))
+        view["goodput"] = "" if ratio else \
+            f"{r['goodput_pct']:.0f} % ({r['goodput_req_s']:.3g}/s)"
+        out.append(view)
+    return out
+
+
+def model_shape(model_dir: Path) -> dict[str, Any]:
+    """The architecture figures of config.json that the protocol's shapes name."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    shape = {k: cfg.get(k) for k in keys}
+    shape["dtype"] = cfg.get("torch_dtype") or cfg.get("dtype")
+    return shape
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive req/s: {text!r}")
+    return rates
+
+
+def parse_paths(text: str) -> list[str]:
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    if not paths or any(p not in PATHS for p in paths) or len(set(paths)) != len(paths):
+        raise argparse.ArgumentTypeError(f"paths: a list of {', '.join(PATHS)}: {text!r}")
+    return paths
+
+
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    """The `stagemesh serve` flags of the run."""
+    extra = args.extra.split()
+    flags = ["--model", args.model, "--device", args.device, "--stages", str(args.stages),
+             "--tp", str(args.tp), "--no-prefix-caching"]
+    if args.device == "cpu" and not {"--num-blocks", "--kv-cache-gb"} & set(extra):
+        flags += ["--num-blocks", "1024"]
+    return flags + extra
+
+
+def add_mesh_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that say which mesh to start (shared with benchmarks.serving_crosscheck)."""
+    ap.add_argument("--model", default="default",
+                    help="'default' (SmolLM2-135M-Instruct) or an HF-layout directory")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--stages", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    ap.add_argument("--extra", default="",
+                    help="more `stagemesh serve` flags, e.g. --extra='--enforce-eager' "
+                         "(with '=' when it is one flag)")
+    ap.add_argument("--prompt-len", type=int, default=W5["prompt_len"])
+    ap.add_argument("--output-len", type=int, default=W5["output_len"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+
+
+def base_config(args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    """What every W5 report says about the mesh: model, shape, device, layout, revision."""
+    model_dir = resolve_model(args.model)
+    return {
+        "workload": workload, "model": args.model, "model_dir": str(model_dir),
+        "shape": model_shape(model_dir), "device": args.device, "stages": args.stages,
+        "tp": args.tp, "transport": "tcp data plane, gRPC control", "prefix_caching": False,
+        "serve_flags": " ".join(serve_flags(args)), "prompt_len": args.prompt_len,
+        "output_len": args.output_len, "prompts": "random token ids, EOS ignored",
+        "seed": args.seed, "revision": git_revision()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=40, help="per path")
-    ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals, req/s")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--stages", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path,
-                    default=Path(f"benchmarks/results/w5-cpu-{dt.date.today()}.json"))
+    add_mesh_args(ap)
+    ap.add_argument("--rates", type=parse_rates, default=W5["rates"],
+                    help="Poisson arrival rates, req/s, comma-separated (both paths together)")
+    ap.add_argument("--rate", type=float, help="one rate (the same as --rates RATE)")
+    ap.add_argument("--requests", type=int, default=W5["requests"],
+                    help="measured requests per rate, split evenly between the paths")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests per path")
+    ap.add_argument("--paths", type=parse_paths, default=list(PATHS),
+                    help="grpc (RouterClient), http (gateway /v1/completions, SSE), or both")
+    ap.add_argument("--ttft-slo-ms", type=float, default=150.0, help="goodput: TTFT at most")
+    ap.add_argument("--tpot-slo-ms", type=float, default=15.0, help="goodput: TPOT at most")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default benchmarks/results/w5-DEVICE-DATE.json); "
+                         "the plot goes next to it as .png")
     args = ap.parse_args()
-    config: dict[str, Any] = {
-        "workload": "W5 (small scale)", "model": "smollm2-135m (default model, real weights)",
-        "device": "cpu", "dtype": "float32", "stages": args.stages, "tp": 1,
-        "transport": "tcp", "prefix_caching": False, "requests": args.requests,
-        "rate_req_s": args.rate, "order": "interleaved ABBA", "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "warmup": args.warmup, "seed": args.seed,
-        "http_client": "httpx2 (raw SSE)", "grpc_client": "router.client.RouterClient",
-        "revision": git_revision()}
-    print(config, flush=True)
-    with Mesh("--stages", str(args.stages), "--num-blocks", "1024", "--no-prefix-caching",
-              gateway_port=free_port()) as mesh:
-        rows = asyncio.run(measure(mesh, args))
-    rows.append(ratio_row(rows))
-    write_json(args.out, config, rows)
-    print_table(rows)
+    if args.rate is not None:
+        args.rates = [args.rate]
+    if args.out is None:
+        args.out = Path(f"benchmarks/results/w5-{args.device}-{dt.date.today()}.json")
+    full = all(vars(args)[k] == v for k, v in W5.items())
+    config = base_config(args, "W5" if full else "W5 (scaled down)")
+    config |= {
+        "rates_req_s": args.rates, "arrivals": "Poisson, seeded", "requests_per_rate":
+        args.requests, "paths": args.paths,
+        "order": "interleaved ABBA" if len(args.paths) > 1 else "one path",
+        "warmup_per_path": args.warmup,
+        "goodput_slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms},
+        "http_client": "httpx2, raw SSE, return_token_ids",
+        "grpc_client": "router.client.RouterClient"}
+    print(json.dumps(config, indent=2), flush=True)
+    with Mesh(*serve_flags(args), gateway_port=free_port(),
+              timeout=args.startup_timeout) as mesh:
+        rows = asyncio.run(measure(mesh, args, config))
+    print()
+    print_table(table(rows))
+    from benchmarks.serving_plot import plot_latency_vs_rate
+
+    png = args.out.with_suffix(".png")
+    if plot_latency_vs_rate(rows, png, config):
+        print(f"wrote {png}")
+    else:
+        print("plot skipped: matplotlib is not installed (the JSON has the figures; "
+              "`python -m benchmarks.serving_plot JSON` draws it where matplotlib is)")
 
 
 if __name__ == "__main__":
