@@ -73,6 +73,10 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
 
 
 def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
+    if not delta.logprobs:  # the common case, once per token per stream
+        return pb.GenerateResponse(request_id=request_id, index=delta.index, text=delta.text,
+                                   token_ids=delta.token_ids,
+                                   finish_reason=_FINISH[delta.finish_reason])
     logprobs = [
         pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

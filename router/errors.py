@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -62,7 +62,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def abort_with_status(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with `exc`'s status (see `status_for`); INTERNAL for the unexpected."""
     mapped = status_for(exc)
     if mapped is None:
         log.exception("unexpected error in a handler")
@@ -84,21 +85,6 @@ def unary_errors(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]
         except grpc.aio.AbortError:
             raise
         except Exception as e:
-            await _abort(context, e)
+            await abort_with_status(context, e)
             raise AssertionError("unreachable") from e
-    return wrapper
-
-
-def stream_errors(fn: Callable[..., AsyncIterator[R]]) -> Callable[..., AsyncIterator[R]]:
-    """Map a server-streaming handler's exceptions to statuses (see `status_for`)."""
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[R]:
-        try:
-            async for item in fn(self, request, context):
-                yield item
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            await _abort(context, e)
     return wrapper

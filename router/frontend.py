@@ -66,9 +66,14 @@ class CoreStartError(RuntimeError):
 
 @dataclass
 class RequestState:
+    """One live request. `outbox` holds what its stream has not taken yet; `wake` is set
+    while it holds something (cheaper per token than an asyncio.Queue)."""
+
     request: GenerateRequest
     choices: dict[int, ChoiceState]  # seq_id -> choice
-    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    outbox: list[StreamItem] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    unfinished: int = 0  # choices not finished yet
     completion_tokens: int = 0
     cached_prompt_tokens: int = -1  # prefix-cache hits of the first prefill; -1 until known
     done: bool = False
@@ -119,7 +124,7 @@ class Frontend:
             seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
                              req.include_stop_str_in_output, req.skip_special_tokens)
             for i, seq in enumerate(seq_ids)
-        })
+        }, unfinished=req.n)
         self.requests[req.request_id] = state
         for seq in seq_ids:
             self.seq_owner[seq] = state
@@ -131,10 +136,10 @@ class Frontend:
         """Yields every item queued since the last yield, coalesced (see `coalesce`)."""
         try:
             while True:
-                items = [await state.queue.get()]
-                while not state.queue.empty():
-                    items.append(state.queue.get_nowait())
-                yield coalesce(items)
+                await state.wake.wait()
+                state.wake.clear()
+                items, state.outbox = state.outbox, []
+                yield coalesce(items) if len(items) > 1 else items
                 if isinstance(items[-1], RequestDone | RequestFailed):
                     return
         finally:
@@ -206,10 +211,13 @@ class Frontend:
             choice = state.choices[seq_id]
             if choice.finished:
                 continue
-            delta = choice.on_token(token, logprobs.get(seq_id), FINISH_REASONS.get(code))
+            delta = choice.on_token(token, logprobs.get(seq_id) if logprobs else None,
+                                    FINISH_REASONS.get(code) if code else None)
             state.completion_tokens += 1
-            if code == FINISH_NONE and choice.finished:  # a stop string: tell the core
-                stopped.append(seq_id)
+            if delta.finish_reason is not None:
+                state.unfinished -= 1
+                if code == FINISH_NONE:  # a stop string: tell the core
+                    stopped.append(seq_id)
             self._emit(state, delta)
         if stopped:
             self.endpoint.send(FinishSeqs(stopped, "stop"))
@@ -218,12 +226,12 @@ class Frontend:
         if delta.text or delta.token_ids or delta.finish_reason is not None:
             state.pending.append(delta)
             state.pending_tokens += len(delta.token_ids)
-        done = all(c.finished for c in state.choices.values())
+        done = state.unfinished == 0
         if state.pending and (done or delta.finish_reason is not None
                               or state.pending_tokens >= self.stream_interval):
-            for item in coalesce(state.pending):
-                state.queue.put_nowait(item)
-            state.pending.clear()
+            state.outbox += coalesce(state.pending) if len(state.pending) > 1 else state.pending
+            state.wake.set()
+            state.pending = []
             state.pending_tokens = 0
         if done:
             usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
@@ -249,7 +257,8 @@ class Frontend:
     def _close(self, state: RequestState, last: StreamItem | None) -> None:
         state.done = True
         if last is not None:
-            state.queue.put_nowait(last)
+            state.outbox.append(last)
+            state.wake.set()
         self.requests.pop(state.request.request_id, None)
         for seq in state.choices:
             self.seq_owner.pop(seq, None)
