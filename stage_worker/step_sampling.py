@@ -72,8 +72,11 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[HeldSeq],
     wants = [p.logprobs for p in params]
     if not seqs:
         return StepSample.of((), torch.empty(0, dtype=torch.int64, device=logits.device), ())
-    batch = SamplingBatch.build(params, [s.prompt_ids for s in seqs],
-                                [s.output_ids for s in seqs], [s.num_outputs for s in seqs],
+    # Prompts and outputs are read only for rows with penalties: slicing every prompt of a
+    # 256-sequence batch each step cost more than the rest of the sampling batch.
+    prompts = [s.prompt_ids if p.has_penalties else () for s, p in zip(seqs, params, strict=True)]
+    outputs = [s.output_ids if p.has_penalties else () for s, p in zip(seqs, params, strict=True)]
+    batch = SamplingBatch.build(params, prompts, outputs, [s.num_outputs for s in seqs],
                                 vocab_size, logits.device)
     out = sampler(logits, batch)
     seq_ids = [s.seq_id for s in seqs]
