@@ -20,17 +20,21 @@ from benchmarks.report import git_revision, print_table, write_json
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
+NUM_BLOCKS, BLOCK_SIZE = 8192, 16
+
 
 async def measure(address: str, seqs: int, window_s: float) -> dict[str, float]:
     """Keep `seqs` sequences decoding (each client re-submits when its request ends), then
-    read the router's step counter and the tokens streamed over `window_s`."""
+    read the router's step counter and the tokens streamed over `window_s`. A request is as
+    long as the KV pool lets every sequence be (no preemption)."""
+    max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
     async with RouterClient(address) as client:
         tokens = 0
 
         async def one(i: int) -> None:
             nonlocal tokens
             while True:
-                async for chunk in client.generate(prompt=f"request {i}", max_tokens=4000,
+                async for chunk in client.generate(prompt=f"request {i}", max_tokens=max_tokens,
                                                    ignore_eos=True, temperature=0.0):
                     tokens += len(chunk.token_ids)
 
@@ -67,7 +71,8 @@ def main() -> None:
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
         with Mesh("--stages", str(p), "--model-impl", "null", "--max-num-seqs", str(args.seqs),
-                  "--num-blocks", "8192", "--stream-interval", str(args.stream_interval)) as mesh:
+                  "--num-blocks", str(NUM_BLOCKS),
+                  "--stream-interval", str(args.stream_interval)) as mesh:
             result = asyncio.run(measure(mesh.address, args.seqs, args.window))
         rows.append({"stages": p, **result})
         print(rows[-1], flush=True)
