@@ -143,13 +143,18 @@ class Pipeline:
                 answer = await stage.read()
                 if answer.error:
                     raise PipelineError(answer.error)
-                if answer.outcome is not None:
-                    self.on_outcome(answer.outcome)
+                if answer.outcome is not None and self._current(epoch):
+                    self.on_outcome(answer.outcome)  # never an answer the core forgot
         except asyncio.CancelledError:
             raise
         except (grpc.aio.AioRpcError, PipelineError) as e:
-            if epoch == self.epoch and self.state is PipelineState.READY:
+            if self._current(epoch):
                 self.mark_down(f"stage {stage.index} ({stage.address}): {describe_error(e)}")
+
+    def _current(self, epoch: int) -> bool:
+        """Whether a reader of `epoch` still speaks for the pipeline (once it went down, the
+        core forgot every outstanding step; a late answer of an old stream is dropped)."""
+        return epoch == self.epoch and self.state is PipelineState.READY
 
     def mark_down(self, reason: str) -> None:
         if self.state is PipelineState.DOWN:
