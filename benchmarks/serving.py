@@ -46,7 +46,6 @@ import datetime as dt
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +53,7 @@ import httpx2 as httpx
 import numpy as np
 
 from benchmarks.report import git_revision, print_table, write_json
+from benchmarks.serving_metrics import Result, ratio_row, summarize, table
 from foundation.modelstore import resolve_model
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh, free_port
@@ -61,19 +61,6 @@ from stagemesh.local_mesh import Mesh, free_port
 FIRST_ORDINARY_ID = 100  # below: special and byte tokens of the default model
 PATHS = ("grpc", "http")
 W5 = {"rates": [2.0, 8.0, 32.0], "requests": 500, "prompt_len": 1024, "output_len": 128}
-LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms")
-
-
-@dataclass
-class Result:
-    """One request as the client saw it: send time, arrival time of each streamed chunk that
-    carried tokens, and the number of output tokens."""
-
-    sent: float
-    chunks: list[float] = field(default_factory=list)
-    tokens: int = 0
-    error: str | None = None
-    wrote: float | None = None  # HTTP: when the request's headers began to go out
 
 
 Send = Callable[[list[int], int], Coroutine[Any, Any, Result]]
@@ -152,54 +139,6 @@ async def run_schedule(sends: list[Send], prompts: list[list[int]], arrivals: li
         tasks.append(asyncio.create_task(send(prompt, out_len)))
     results = list(await asyncio.gather(*tasks))
     return results, time.perf_counter() - start - arrivals[0]
-
-
-def stats(values: list[float]) -> dict[str, float]:
-    """mean, p50, p99 (linear interpolation); NaN when there is nothing to measure."""
-    arr = np.asarray(values or [float("nan")], dtype=float)
-    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
-            "p99": float(np.percentile(arr, 99))}
-
-
-def summarize(path: str, results: list[Result], duration: float, out_len: int,
-              ttft_slo_ms: float, tpot_slo_ms: float) -> dict[str, Any]:
-    """One table row: a path's requests at one rate."""
-    ok = [r for r in results if r.error is None and r.chunks]
-    ttft = [(r.chunks[0] - r.sent) * 1e3 for r in ok]
-    # TPOT of a one-token output is 0 (vLLM), so it meets any TPOT objective.
-    tpot = [(r.chunks[-1] - r.chunks[0]) * 1e3 / (r.tokens - 1) if r.tokens > 1 else 0.0
-            for r in ok]
-    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunks, r.chunks[1:], strict=False)]
-    good = sum(1 for a, b in zip(ttft, tpot, strict=True)
-               if a <= ttft_slo_ms and b <= tpot_slo_ms)
-    row: dict[str, Any] = {
-        "path": path, "requests": len(results), "ok": len(ok),
-        "failed": len(results) - len(ok),
-        "short": sum(1 for r in ok if r.tokens != out_len),  # finished, not out_len tokens
-        "duration_s": duration, "req_s": len(ok) / duration,
-        "out_tok_s": sum(r.tokens for r in ok) / duration}
-    for name, values in zip(LATENCIES, (ttft, tpot, itl), strict=True):
-        row |= {f"{name}_{k}": v for k, v in stats(values).items()}
-    row["goodput_pct"] = 100.0 * good / len(results) if results else float("nan")
-    row["goodput_req_s"] = good / duration
-    # The client's own delay from taking the send time to writing the request (a
-    # new connection, or a busy client): large values mean the client, not the server.
-    lag = [(r.wrote - r.sent) * 1e3 for r in ok if r.wrote is not None]
-    if lag:
-        row |= {f"send_lag_ms_{k}": v for k, v in stats(lag).items()}
-    errors = sorted({r.error for r in results if r.error})
-    if errors:
-        row["errors"] = errors[:5]
-    return row
-
-
-def ratio_row(rate: float, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """b / a for each latency and throughput figure (a: grpc, b: http)."""
-    out: dict[str, Any] = {"rate": rate, "path": f"{b['path']}/{a['path']}"}
-    for key, value in a.items():
-        if key.endswith(("_mean", "_p50", "_p99", "req_s", "tok_s")) and value:
-            out[key] = b[key] / value
-    return out
 
 
 async def run_rate(client: RouterClient, http: httpx.AsyncClient, model: str,
@@ -282,27 +221,6 @@ async def measure(mesh: Mesh, args: argparse.Namespace, config: dict[str, Any]
             print_table(table(new))
             write_json(args.out, config, rows)  # a run cut short keeps the rates it finished
     return rows
-
-
-def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The printed view of the rows: latencies as mean / p50 / p99 in ms."""
-    out = []
-    for r in rows:
-        ratio = "/" in r["path"]
-        fmt = "{:.2f}" if ratio else "{:.1f}"
-        view: dict[str, Any] = {"rate": r["rate"], "path": r["path"],
-                                "ok": "" if ratio else r["ok"],
-                                "failed": "" if ratio else r["failed"],
-                                "req/s": r.get("req_s", ""),
-                                "out tok/s": r.get("out_tok_s", "")}
-        for name in LATENCIES:
-            view[f"{name[:-3].upper()} mean/p50/p99"] = " / ".join(
-                fmt.format(r[f"{name}_{k}"]) if f"{name}_{k}" in r else "-"
-                for k in ("mean", "p50", "p99"))
-        view["goodput"] = "" if ratio else \
-            f"{r['goodput_pct']:.0f} % ({r['goodput_req_s']:.3g}/s)"
-        out.append(view)
-    return out
 
 
 def model_shape(model_dir: Path) -> dict[str, Any]:

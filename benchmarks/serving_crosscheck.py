@@ -51,7 +51,6 @@ import numpy as np
 
 from benchmarks.report import print_table, write_json
 from benchmarks.serving import (
-    LATENCIES,
     abba,
     add_mesh_args,
     base_config,
@@ -60,9 +59,8 @@ from benchmarks.serving import (
     schedule,
     serve_flags,
     served,
-    stats,
-    summarize,
 )
+from benchmarks.serving_metrics import LATENCIES, stats, summarize
 from stagemesh.local_mesh import Mesh, free_port
 
 

@@ -11,17 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.serving import (
-    Result,
-    abba,
-    parse_paths,
-    parse_rates,
-    poisson_arrivals,
-    rate_rows,
-    schedule,
-    summarize,
-)
+from benchmarks.serving import abba, parse_paths, parse_rates, poisson_arrivals, rate_rows, schedule
 from benchmarks.serving_crosscheck import guidellm_recomputed, guidellm_reported
+from benchmarks.serving_metrics import Result, summarize
 
 
 def test_abba_alternates_and_splits_evenly() -> None:
