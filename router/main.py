@@ -115,8 +115,13 @@ class RouterApp:
         if self.cfg.engine_core == "task":
             self._core_task = asyncio.create_task(run_core(self.core_cfg), name="core")
             return
-        self._core_proc = subprocess.Popen(
-            [sys.executable, "-m", "router.core.process", self.core_cfg.to_json()])
+        # The config goes through stdin, not argv: it may hold the stage TLS client key,
+        # and a command line is readable by anyone on the host (`ps`).
+        self._core_proc = subprocess.Popen([sys.executable, "-m", "router.core.process"],
+                                           stdin=subprocess.PIPE)
+        assert self._core_proc.stdin is not None
+        self._core_proc.stdin.write(self.core_cfg.to_json().encode())
+        self._core_proc.stdin.close()
 
     async def _wait_served(self) -> ServedInfo:
         """The core's first report, or CoreStartError if it exits without one."""

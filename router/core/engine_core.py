@@ -115,7 +115,7 @@ class EngineCore:
     async def start(self) -> ServedInfo:
         """Bring the pipeline up within the startup budget and build the scheduler.
 
-        Raises PipelineError or CapacityError (both reported to the fronts by `run`)."""
+        Raises PipelineError or CapacityError (`process.run_core` tells the fronts)."""
         shape = await self.pipeline.start(self.cfg.startup_budget_s)
         self.scheduler, self.served = self._build(shape)
         return self.served
@@ -245,9 +245,10 @@ class EngineCore:
             if rules is None:
                 continue
             code = self._verdict(seq_id, token, rules, seq_id in capped)
-            batch = batches.get(front_of(seq_id))
+            front = front_of(seq_id)
+            batch = batches.get(front)
             if batch is None:
-                batch = batches[front_of(seq_id)] = FrontBatch()
+                batch = batches[front] = FrontBatch()
             batch.seq_ids.append(seq_id)
             batch.token_ids.append(token)
             batch.finish.append(code)

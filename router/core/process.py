@@ -1,4 +1,5 @@
-"""The engine core's process: `python -m router.core.process CONFIG_JSON`.
+"""The engine core's process: `python -m router.core.process`, its `CoreConfig` as JSON on
+stdin (never on the command line: it may hold the stage TLS client key).
 
 Started by the router (`router.main`), which runs the front. The core binds its input
 socket, brings the pipeline up, tells the fronts (`CoreState`), steps until a front says
@@ -78,7 +79,7 @@ async def _watch_parent() -> None:
             os._exit(1)
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[core] %(message)s", stream=sys.stderr)
     # The router decides when the core stops (Shutdown, after its drain); a Ctrl-C or a
     # SIGTERM sent to the whole process group must not cut the in-flight requests short.
@@ -88,9 +89,9 @@ def main(argv: list[str]) -> int:
         import uvloop
 
         uvloop.install()
-    cfg = CoreConfig.from_json(argv[0])
+    cfg = CoreConfig.from_json(sys.stdin.read())
     return asyncio.run(run_core(cfg, watch_parent=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
