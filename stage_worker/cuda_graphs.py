@@ -2,14 +2,16 @@
 
 A decode step launches a few kernels per layer on tiny tensors, so on a fast card its time
 is the CPU launching them. A graph replays the whole stage's launches as one. Everything a
-replay reads lives in static buffers filled before it: input ids (or hidden states), the
-block tables and the sequence lengths; positions, rope tables and KV slots are computed from
-them inside the graph. A batch of n sequences runs in the graph of the smallest bucket
->= n; the padding rows decode position 0 of a scratch KV block no sequence owns.
+replay reads lives in static buffers filled before it: input ids (or hidden states), each
+row's index into the stage's device block tables (`BlockTables`, updated before the replay
+with only what changed) and the sequence lengths; the rows' block tables, positions, rope
+tables and KV slots are computed from them inside the graph. A batch of n sequences runs
+in the graph of the smallest bucket >= n; the padding rows read the tables' padding row and
+decode position 0 of a scratch KV block no sequence owns.
 
 Used on CUDA with the Triton attention kernel and TP size 1 (capturing NCCL collectives
 is not wired); prefill and mixed steps, and decode batches above the largest bucket or with
-longer block tables than the buffers hold, run eagerly.
+longer block tables than the tables hold, run eagerly.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 
 from kernels.paged_attention import PagedAttentionMetadata
 from kernels.rotary import rope_cos_sin
+from stage_worker.block_tables import BlockTables
 from stage_worker.forward_context import ForwardContext
-from stage_worker.host_transfer import to_device
+from stage_worker.host_transfer import upload
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.step_input import SeqChunk
 
@@ -47,31 +50,28 @@ class DecodeGraphs:
         model: the stage's layers.
         kv_layers: the (k, v) cache pair of every local layer (the same tensors replayed).
         inv_freq: rope inverse frequencies [head_dim / 2].
-        block_size: KV block size.
-        scratch_block: a KV block outside the pool the scheduler hands out.
-        max_blocks: the widest block table the buffers hold (longest context / block size).
+        tables: the stage's block tables; their padding row must name a scratch KV block
+            outside the pool the scheduler hands out.
         input_shape: () for token ids (first stage), (hidden,) for hidden states.
         dtype: hidden-state dtype (non-first stages).
         max_batch: the largest batch to replay (see `graph_buckets`).
     """
 
     def __init__(self, model: LlamaStageModel, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
-                 inv_freq: torch.Tensor, block_size: int, scratch_block: int, max_blocks: int,
+                 inv_freq: torch.Tensor, tables: BlockTables,
                  input_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  max_batch: int = MAX_GRAPH_BATCH) -> None:
         started = time.monotonic()
         self.model = model
         self.kv_layers = kv_layers
         self.inv_freq = inv_freq.to(device)
-        self.block_size = block_size
-        self.scratch_block = scratch_block
-        self.max_blocks = max_blocks
+        self.tables = tables
         self.buckets = graph_buckets(max_batch)
         size = self.buckets[-1]
         self.inputs = (torch.zeros(size, dtype=torch.long, device=device) if not input_shape
                        else torch.zeros(size, *input_shape, dtype=dtype, device=device))
-        self.block_tables = torch.full((size, max_blocks), scratch_block, dtype=torch.int32,
-                                       device=device)
+        self.table_rows = torch.full((size,), tables.padding_row, dtype=torch.int64,
+                                     device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(size, device=device)
@@ -95,48 +95,43 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         """The captured step over the first `b` rows of the buffers."""
+        block_size = self.tables.block_size
         seq_lens = self.seq_lens[:b]
         positions = seq_lens.long() - 1
-        tables = self.block_tables[:b]
-        slots = (tables[self.rows[:b], positions // self.block_size].long() * self.block_size
-                 + positions % self.block_size)
+        tables = self.tables.table[self.table_rows[:b]]  # [b, max_blocks]
+        slots = (tables[self.rows[:b], positions // block_size].long() * block_size
+                 + positions % block_size)
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         attn = PagedAttentionMetadata(
             block_tables=tables, seq_lens=seq_lens, query_start=self.query_start[:b + 1],
             seq_lens_host=(1,) * b, query_start_host=tuple(range(b + 1)), max_query_len=1,
-            max_seq_len=self.max_blocks * self.block_size)
+            max_seq_len=self.tables.max_blocks * block_size)
         ctx = ForwardContext(positions, cos, sin, slots, attn)
         return self.model(self.inputs[:b], self.kv_layers, ctx)
 
     def covers(self, chunks: Sequence[SeqChunk]) -> bool:
         """Whether this step can replay a graph: all decodes, within the buffers."""
-        return (len(chunks) <= self.buckets[-1]
-                and all(c.num_new == 1 for c in chunks)
-                and max(len(c.block_table) for c in chunks) <= self.max_blocks)
+        return len(chunks) <= self.buckets[-1] and all(c.num_new == 1 for c in chunks)
 
     def run(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
         """Replay for `chunks` (see `covers`); returns hidden states [n, H] (a view of the
         graph's output, valid until the next replay). `inputs` [n] or [n, H] on the device.
 
-        The block tables and lengths are staged on the host as one int32 array and uploaded
+        The table rows and lengths are staged on the host as one int64 array and uploaded
         without blocking; every other buffer update is a device-side copy or fill.
+        Raises ValueError (from `BlockTables.rows_for`) for a block table that cannot hold
+        its sequence.
         """
         n = len(chunks)
         b = next(size for size in self.buckets if size >= n)
-        width = max(len(c.block_table) for c in chunks)
-        rows = []
-        for c in chunks:
-            if len(c.block_table) * self.block_size < c.num_computed + 1:
-                raise ValueError(f"sequence {c.seq_id}: {len(c.block_table)} blocks cannot hold "
-                                 f"{c.num_computed + 1} tokens (block size {self.block_size})")
-            rows.append([*c.block_table, *[self.scratch_block] * (width - len(c.block_table)),
-                         c.num_computed + 1])
-        staged = to_device(rows, torch.int32, self.block_tables.device)  # [n, width + 1]
-        self.block_tables[:n, :width].copy_(staged[:, :width])
-        self.seq_lens[:n].copy_(staged[:, width])
+        staged = self.tables.rows_for(chunks)
+        staged.extend([c.num_computed + 1 for c in chunks])
+        packed = upload(torch.frombuffer(staged, dtype=torch.int64), self.seq_lens.device)
+        self.table_rows[:n].copy_(packed[:n])
+        self.seq_lens[:n].copy_(packed[n:])
         self.inputs[:n].copy_(inputs)
         if n < b:  # padding rows: position 0 of the scratch block
             self.seq_lens[n:b].fill_(1)
-            self.block_tables[n:b, 0].fill_(self.scratch_block)
+            self.table_rows[n:b].fill_(self.tables.padding_row)
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -14,6 +14,7 @@ import torch
 from foundation.model_config import ModelConfig
 from kernels.paged_attention import uses_triton_kernel
 from kernels.rotary import rope_inv_freq
+from stage_worker.block_tables import BlockTables
 from stage_worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from stage_worker.held_seqs import HeldSeq
 from stage_worker.host_transfer import to_device, upload
@@ -39,6 +40,9 @@ class StageRunnerConfig:
     num_blocks fixes the pool size (tests); otherwise the pool takes `kv_cache_bytes`, or on
     CUDA `gpu_memory_utilization` of the card minus weights and the activation peak of a
     profiled step of `max_num_batched_tokens` tokens over `max_num_seqs` sequences.
+    max_held_seqs: the sequences whose block tables stay on the device between steps (the
+    router runs at most `max_num_seqs` per pipeline stage; more only costs rewrites, see
+    `stage_worker.block_tables`); default `max_num_seqs`.
     cuda_graphs: capture decode steps (see `stage_worker.cuda_graphs`) for batches up to
     `max_num_seqs` (at most MAX_GRAPH_BATCH; larger ones run eagerly); off = always eager.
     """
@@ -53,6 +57,7 @@ class StageRunnerConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    max_held_seqs: int | None = None
     cuda_graphs: bool = True  # decode steps replay CUDA graphs where supported
 
 
@@ -91,6 +96,9 @@ class StageRunner(ModelRunner):
                                        model_cfg.head_dim, cfg.dtype)
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.use_graphs = False
+        max_blocks = -(-model_cfg.max_position_embeddings // cfg.block_size)
+        rows = max(cfg.max_held_seqs or 0, cfg.max_num_seqs)
+        self.tables = BlockTables(rows, max_blocks, cfg.block_size, cfg.device)
         num_blocks = cfg.num_blocks if cfg.num_blocks is not None else self._blocks_that_fit()
         self._num_blocks = num_blocks
         graphs = self._graphs_supported()
@@ -100,8 +108,10 @@ class StageRunner(ModelRunner):
                         heads.num_kv, model_cfg.head_dim, cfg.dtype),
             cfg.device,
         )
-        if graphs:
-            self.graphs = self._capture_graphs(scratch_block=num_blocks)
+        if graphs:  # a fresh table whose padding row reads the scratch block
+            self.tables = BlockTables(rows, max_blocks, cfg.block_size, cfg.device,
+                                      fill=num_blocks)
+            self.graphs = self._capture_graphs()
         self.use_graphs = self.graphs is not None
         log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens",
                  cfg.layers.start, cfg.layers.end - 1, time.monotonic() - started,
@@ -124,13 +134,11 @@ class StageRunner(ModelRunner):
                              self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs)
 
     @torch.inference_mode()
-    def _capture_graphs(self, scratch_block: int) -> DecodeGraphs:
+    def _capture_graphs(self) -> DecodeGraphs:
         """Decode graphs for batches up to max_num_seqs (at most MAX_GRAPH_BATCH)."""
         cfg, model_cfg = self.cfg, self.model_cfg
         return DecodeGraphs(
-            self.model, self.kv.layers(), self.inv_freq, cfg.block_size,
-            scratch_block=scratch_block,
-            max_blocks=-(-model_cfg.max_position_embeddings // cfg.block_size),
+            self.model, self.kv.layers(), self.inv_freq, self.tables,
             input_shape=() if self.is_first else (model_cfg.hidden_size,),
             dtype=cfg.dtype, device=cfg.device, max_batch=min(cfg.max_num_seqs, MAX_GRAPH_BATCH))
 
@@ -162,7 +170,7 @@ class StageRunner(ModelRunner):
         if self.graphs is not None and self.use_graphs and self.graphs.covers(chunks):
             hidden = self.graphs.run(chunks, inputs)
         else:
-            ctx = build_context(chunks, self.cfg.block_size, self.inv_freq, device)
+            ctx = build_context(chunks, self.tables, self.inv_freq, device)
             hidden = self.model(inputs, self.kv.layers(), ctx)
         if not self.is_last:
             return hidden
@@ -198,6 +206,9 @@ class StageRunner(ModelRunner):
         chunks = profile_chunks(tokens, self.cfg.max_num_seqs, self.cfg.block_size)
         blocks = max(max(c.block_table) for c in chunks) + 1
         shape = self._pool_shape
+        tables = self.tables
+        self.tables = BlockTables(len(chunks), max(len(c.block_table) for c in chunks),
+                                  shape.block_size, self.cfg.device)
         self.kv = KVPool(KVPoolShape(shape.num_layers, blocks, shape.block_size, shape.kv_heads,
                                      shape.head_dim, shape.dtype), self.cfg.device)
         torch.cuda.reset_peak_memory_stats(self.cfg.device)
@@ -207,6 +218,7 @@ class StageRunner(ModelRunner):
         torch.cuda.synchronize(self.cfg.device)
         peak = torch.cuda.max_memory_allocated(self.cfg.device)  # weights + activations
         del self.kv
+        self.tables = tables
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.cfg.device)
         # This process's share of the card (stages sharing a GPU split it), minus what it

@@ -61,8 +61,9 @@ class SamplingBatch:
     """
 
     num_seqs: int
-    temperature: torch.Tensor  # [S] float32; greedy rows hold 1.0 so division is safe
-    greedy: torch.Tensor  # [S] bool
+    temperature: torch.Tensor | None  # [S] float32; greedy rows hold 1.0 so division is safe
+    greedy: torch.Tensor | None  # [S] bool
+    # (both None in an all-greedy batch: nothing draws)
     all_greedy: bool
     any_greedy: bool
     top_k: torch.Tensor | None  # [S] int64; <= 0 or >= V means off
@@ -107,11 +108,13 @@ class SamplingBatch:
         uses_top_k = any(p.top_k > 0 for p in random_rows)
         uses_top_p = any(p.top_p < 1.0 for p in random_rows)
         uses_min_p = any(p.min_p > 0.0 for p in random_rows)
+        draws = bool(random_rows)
         return cls(
             num_seqs=n,
-            temperature=column([1.0 if p.is_greedy else p.temperature for p in params]),
-            greedy=column(greedy, torch.bool),
-            all_greedy=all(greedy),
+            temperature=column([1.0 if p.is_greedy else p.temperature for p in params])
+            if draws else None,
+            greedy=column(greedy, torch.bool) if draws else None,
+            all_greedy=not draws,
             any_greedy=any(greedy),
             top_k=column([p.top_k for p in params], torch.int64) if uses_top_k else None,
             top_p=column([p.top_p for p in params]) if uses_top_p else None,
@@ -259,12 +262,14 @@ class Sampler:
         else:
             token_ids = _sample_random(logits, batch)
             if batch.any_greedy:
+                assert batch.greedy is not None  # built for every batch that draws
                 token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
         return _output(token_ids, raw_logprobs, batch.max_num_logprobs or 0)
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[S] int64 draws for every row (greedy rows' draws are discarded by the caller)."""
+    assert batch.temperature is not None  # built for every batch that draws
     scaled = logits / batch.temperature[:, None]  # [S, V]
     masked = apply_top_k_top_p_min_p(scaled, batch.top_k, batch.top_p, batch.min_p)
     probs = masked.softmax(dim=-1)  # [S, V]; masked tokens get exactly 0

@@ -2,8 +2,9 @@
 
 `build_context` computes a step's layout on the host (counts in Python, per-token values
 with a few CPU tensor ops), packs every integer array into one int64 tensor, uploads it
-once without blocking (`host_transfer.upload`), and derives the rope tables on the device
-from the uploaded positions. The host never waits for the GPU here.
+once without blocking (`host_transfer.upload`), and derives the rope tables, the block
+tables (`BlockTables`, kept on the device) and the KV slots on the device from the uploaded
+rows and positions. The host never waits for the GPU here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from kernels.paged_attention import PagedAttentionMetadata
 from kernels.rotary import rope_cos_sin
+from stage_worker.block_tables import BlockTables
 from stage_worker.forward_context import ForwardContext
 from stage_worker.host_transfer import host_tensor, upload
 
@@ -48,24 +50,30 @@ class _HostLayout(NamedTuple):
     max_query_len: int
     decode_seqs: tuple[int, ...]
     prefill_seqs: tuple[int, ...]
-    arrays: list[torch.Tensor]  # block tables [S, M], seq_lens, query_start, positions, slots,
-    #                             then (mixed steps) decode rows and decode indices; int64
+    arrays: list[torch.Tensor]  # table rows [S], seq_lens, query_start, positions, seq_of
+    #                             [T], then (mixed steps) decode rows and decode indices; int64
 
 
-def build_context(chunks: Sequence[SeqChunk], block_size: int, inv_freq: torch.Tensor,
+def build_context(chunks: Sequence[SeqChunk], tables: BlockTables, inv_freq: torch.Tensor,
                   device: torch.device) -> ForwardContext:
     """Positions, rope tables, KV slots and attention layout for `chunks`, on `device`.
 
+    The chunks' block tables come from `tables` (brought up to date for them here);
     `inv_freq` [head_dim / 2] should live on `device` (rope is computed there).
     Raises ValueError when a block table is too short for its chunk.
     """
-    host = _host_layout(chunks, block_size)
+    block_size = tables.block_size
+    host = _host_layout(chunks, tables.rows_for(chunks))
     packed = upload(torch.cat([a.reshape(-1) for a in host.arrays]), device)
-    tables, seq_lens, query_start, positions, slots, *decode = packed.split(
+    rows, seq_lens, query_start, positions, seq_of, *decode = packed.split(
         [a.numel() for a in host.arrays])
+    width = -(-max(host.seq_lens) // block_size)  # the blocks this step reads
+    block_tables = tables.table[rows, :width]
+    slots = (block_tables[seq_of, positions // block_size].long() * block_size
+             + positions % block_size)
     cos, sin = rope_cos_sin(inv_freq, positions)
     attn = PagedAttentionMetadata(
-        block_tables=tables.view(host.arrays[0].shape).to(torch.int32),
+        block_tables=block_tables,
         seq_lens=seq_lens.to(torch.int32),
         query_start=query_start.to(torch.int32),
         seq_lens_host=tuple(host.seq_lens),
@@ -80,22 +88,12 @@ def build_context(chunks: Sequence[SeqChunk], block_size: int, inv_freq: torch.T
     return ForwardContext(positions, cos, sin, slots, attn)
 
 
-def _host_layout(chunks: Sequence[SeqChunk], block_size: int) -> _HostLayout:
+def _host_layout(chunks: Sequence[SeqChunk], rows: array[int]) -> _HostLayout:
     """Token t of the step belongs to chunk seq_of[t] and sits at position
-    seq_len - q_len + offset; its KV slot is table[position // B] * B + position % B."""
+    seq_len - q_len + offset (its KV slot is computed on the device from the table row)."""
     q_lens = [c.num_new for c in chunks]
     seq_lens = [c.num_computed + c.num_new for c in chunks]
-    width = max(len(c.block_table) for c in chunks)
-    padded = array("q")
-    for c, total in zip(chunks, seq_lens, strict=True):
-        table = c.block_table
-        if len(table) * block_size < total:
-            raise ValueError(f"sequence {c.seq_id}: {len(table)} blocks cannot hold "
-                             f"{total} tokens (block size {block_size})")
-        padded.extend(table)
-        padded.extend([-1] * (width - len(table)))
     query_start = [0, *accumulate(q_lens)]
-    tables = torch.frombuffer(padded, dtype=torch.int64).view(len(chunks), width)
     lens = host_tensor(seq_lens)
     max_query_len = max(q_lens)
     if max_query_len == 1:  # all decodes: one token per sequence, at its last position
@@ -104,10 +102,10 @@ def _host_layout(chunks: Sequence[SeqChunk], block_size: int) -> _HostLayout:
         seq_of = torch.repeat_interleave(torch.arange(len(chunks)), host_tensor(q_lens))
         offset = torch.arange(query_start[-1]) - host_tensor(query_start[:-1])[seq_of]
         positions = (lens - host_tensor(q_lens))[seq_of] + offset
-    slots = tables[seq_of, positions // block_size] * block_size + positions % block_size
     decode_seqs = tuple(i for i, n in enumerate(q_lens) if n == 1)
     prefill_seqs = tuple(i for i, n in enumerate(q_lens) if n != 1)
-    arrays = [tables, lens, host_tensor(query_start), positions, slots]
+    arrays = [torch.frombuffer(rows, dtype=torch.int64), lens, host_tensor(query_start),
+              positions, seq_of]
     if decode_seqs and prefill_seqs:
         arrays += [host_tensor(query_start[i] for i in decode_seqs), host_tensor(decode_seqs)]
     return _HostLayout(seq_lens, query_start, max_query_len, decode_seqs, prefill_seqs, arrays)

@@ -9,6 +9,7 @@ import torch
 
 from kernels.paged_attention import PagedAttentionMetadata, write_kv_ref
 from kernels.rotary import rope_inv_freq
+from stage_worker.block_tables import BlockTables
 from stage_worker.step_input import SeqChunk, build_context
 
 # (computed before, new this step) per sequence: decodes, a fresh prefill, a chunk.
@@ -63,7 +64,9 @@ def mixed_case(seed: int, hq: int, hkv: int, dim: int, block: int, num_blocks: i
     full_k = [k.to(dtype) for k in full_k]
     full_v = [v.to(dtype) for v in full_v]
     q_parts = [q.to(dtype) for q in q_parts]
-    ctx = build_context(chunks, block, rope_inv_freq(dim, 10000.0), torch.device(device))
+    tables = BlockTables(len(chunks), max(len(c.block_table) for c in chunks), block,
+                         torch.device(device))
+    ctx = build_context(chunks, tables, rope_inv_freq(dim, 10000.0), torch.device(device))
     k_cache, v_cache = k_cache.to(device, dtype), v_cache.to(device, dtype)
     new_k = torch.cat([k[c.num_computed:] for k, c in zip(full_k, chunks, strict=True)])
     new_v = torch.cat([v[c.num_computed:] for v, c in zip(full_v, chunks, strict=True)])

@@ -7,6 +7,7 @@ import torch
 
 from kernels.paged_attention import paged_attention_ref
 from kernels.rotary import rope_inv_freq
+from stage_worker.block_tables import BlockTables
 from stage_worker.step_input import SeqChunk, build_context
 from tests.kernels.paged_cases import dense_reference, mixed_case
 
@@ -27,7 +28,8 @@ def test_pure_decode_batch_matches_dense() -> None:
     k_cache = torch.randn(16, block, 2, dim, generator=gen)
     v_cache = torch.randn(16, block, 2, dim, generator=gen)
     chunks = [SeqChunk(0, 10, 1, [3, 7]), SeqChunk(1, 2, 1, [11]), SeqChunk(2, 20, 1, [0, 1, 2])]
-    ctx = build_context(chunks, block, rope_inv_freq(dim, 10000.0), torch.device("cpu"))
+    ctx = build_context(chunks, BlockTables(4, 4, block, torch.device("cpu")),
+                        rope_inv_freq(dim, 10000.0), torch.device("cpu"))
     assert ctx.attn.is_pure_decode
     q = torch.randn(3, 4, dim, generator=gen)
     out = paged_attention_ref(q, k_cache, v_cache, ctx.attn, dim**-0.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stage_worker.block_tables import BlockTables
 from stage_worker.host_transfer import HostCopy, host_tensor, to_device, upload
 from stage_worker.step_input import SeqChunk, build_context
 
@@ -36,7 +37,7 @@ def test_step_layout_of_a_mixed_batch() -> None:
               SeqChunk(2, 6, 3, [5, 7]),  # a prefill chunk: positions 6..8
               SeqChunk(3, 0, 1, [3], sample=False)]
     inv_freq = torch.tensor([1.0, 0.5])
-    ctx = build_context(chunks, 8, inv_freq, CPU)
+    ctx = build_context(chunks, BlockTables(4, 4, 8, CPU), inv_freq, CPU)
     assert ctx.positions.tolist() == [17, 6, 7, 8, 0]
     assert ctx.slot_mapping.tolist() == [2 * 8 + 1, 5 * 8 + 6, 5 * 8 + 7, 7 * 8 + 0, 3 * 8]
     freqs = torch.tensor([17.0, 6, 7, 8, 0])[:, None] * inv_freq
@@ -51,4 +52,4 @@ def test_step_layout_of_a_mixed_batch() -> None:
     assert attn.decode_rows is not None and attn.decode_rows.tolist() == [0, 4]
     assert attn.decode_index is not None and attn.decode_index.tolist() == [0, 2]
     with pytest.raises(ValueError, match="sequence 4: 1 blocks cannot hold 9 tokens"):
-        build_context([SeqChunk(4, 8, 1, [0])], 8, inv_freq, CPU)
+        build_context([SeqChunk(4, 8, 1, [0])], BlockTables(4, 4, 8, CPU), inv_freq, CPU)
