@@ -13,7 +13,7 @@ import torch
 class PagedAttentionMetadata:
     """One step's attention layout. Host lists feed the reference; tensors feed kernels."""
 
-    block_tables: torch.Tensor  # [S, M] int32, -1 padded
+    block_tables: torch.Tensor  # [S, M] int32; entries past a sequence's blocks are never read
     seq_lens: torch.Tensor  # [S] int32
     query_start: torch.Tensor  # [S + 1] int32
     seq_lens_host: tuple[int, ...]

@@ -3,7 +3,8 @@
 Layout contract (shared by the torch reference here and the Triton kernel that replaces it):
     q:            [T, Hq, D]      the batch's new tokens, sequences concatenated
     k/v_cache:    [N, B, Hkv, D]  one layer's pool: N blocks of B token slots (this rank's heads)
-    block_tables: [S, M] int32    block ids of each sequence, padded with -1
+    block_tables: [S, M] int32    block ids of each sequence; entries past ceil(seq_len / B)
+                                  are never read (-1, or any id a table row held before)
     seq_lens:     [S]             tokens of each sequence in the cache *including* this step's
     query_start:  [S + 1]         q rows of sequence s are query_start[s]:query_start[s+1]
 The new tokens' K/V must already be written to the cache. Query row i of sequence s sits at
