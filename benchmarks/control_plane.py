@@ -56,6 +56,8 @@ async def measure(address: str, seqs: int, window_s: float) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--model", default="default",
+                    help="the model whose config the null stages take (no weights are read)")
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--window", type=float, default=5.0)
     ap.add_argument("--stream-interval", type=int, default=1,
@@ -63,15 +65,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/w6-{dt.date.today()}.json"))
     args = ap.parse_args()
-    config: dict[str, Any] = {"workload": "W6", "model": "smollm2-135m (config only)",
+    config: dict[str, Any] = {"workload": "W6", "model": f"{args.model} (config only)",
                               "compute": "null model (no model work)", "transport": "tcp",
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
                               "revision": git_revision()}
     print(config)
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
-        with Mesh("--stages", str(p), "--model-impl", "null", "--max-num-seqs", str(args.seqs),
-                  "--num-blocks", str(NUM_BLOCKS),
+        with Mesh("--model", args.model, "--stages", str(p), "--model-impl", "null",
+                  "--max-num-seqs", str(args.seqs), "--num-blocks", str(NUM_BLOCKS),
                   "--stream-interval", str(args.stream_interval)) as mesh:
             result = asyncio.run(measure(mesh.address, args.seqs, args.window))
         rows.append({"stages": p, **result})
