@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import datetime as dt
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -21,17 +22,35 @@ from stagemesh.local_mesh import Mesh
 
 
 async def run(address: str, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    """Submit every prompt at once; output tok/s over the wall time, and per request the time
+    to its first token and the mean time per output token after it (TPOT), as the client
+    sees them (W2's per-token time is TPOT at one request)."""
     async with RouterClient(address) as client:
         await client.complete(token_ids=prompts[0][:8], max_tokens=4, ignore_eos=True)  # warm
+
+        async def one(prompt: list[int]) -> tuple[int, float, float]:
+            n, first, last = 0, 0.0, 0.0
+            async for chunk in client.generate(token_ids=prompt, max_tokens=output_len,
+                                               ignore_eos=True, temperature=0.0, timeout=3600):
+                if chunk.token_ids:
+                    last = time.perf_counter()
+                    first = first or last
+                    n += len(chunk.token_ids)
+            return n, first - t0, (last - first) / max(1, n - 1)
+
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(
-            client.complete(token_ids=p, max_tokens=output_len, ignore_eos=True,
-                            temperature=0.0, timeout=3600) for p in prompts))
+        outs = await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - t0
-    out_tokens = sum(len(o.token_ids[0]) for o in outs)
+    out_tokens = sum(n for n, _, _ in outs)
     in_tokens = sum(len(p) for p in prompts)
+    ttft = [t for _, t, _ in outs]
+    tpot = [t for n, _, t in outs if n > 1]
     return {"wall_s": wall, "output_tok_s": out_tokens / wall,
-            "total_tok_s": (out_tokens + in_tokens) / wall, "output_tokens": out_tokens}
+            "total_tok_s": (out_tokens + in_tokens) / wall, "output_tokens": out_tokens,
+            "ttft_ms_mean": 1e3 * statistics.fmean(ttft),
+            "ttft_ms_p50": 1e3 * statistics.median(ttft),
+            "tpot_ms_mean": 1e3 * statistics.fmean(tpot) if tpot else 0.0,
+            "tpot_ms_p50": 1e3 * statistics.median(tpot) if tpot else 0.0}
 
 
 def main() -> None:
