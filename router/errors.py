@@ -42,6 +42,8 @@ def failure_error(failed: RequestFailed) -> Exception:
         return QueueFullError(failed.message)
     if failed.kind is FailureKind.INVALID_ARGUMENT:
         return InvalidRequestError(failed.message)
+    if failed.kind is FailureKind.ALREADY_EXISTS:
+        return DuplicateRequestError(failed.message)
     if failed.kind is FailureKind.UNAVAILABLE:
         return UnavailableError(failed.message)
     return RuntimeError(failed.message)

@@ -30,11 +30,13 @@ from router.core.messages import (
     CoreStats,
     Failed,
     FinishSeqs,
+    FrontGone,
     Refused,
     ServedInfo,
     Shutdown,
     StatsRequest,
     StepOutputs,
+    duplicate_request_message,
 )
 from router.errors import DuplicateRequestError
 from router.outputs import (
@@ -52,7 +54,8 @@ from router.requests import GenerateRequest
 log = logging.getLogger("stagemesh.router")
 
 _REFUSALS = {"resource_exhausted": FailureKind.RESOURCE_EXHAUSTED,
-             "invalid_argument": FailureKind.INVALID_ARGUMENT}
+             "invalid_argument": FailureKind.INVALID_ARGUMENT,
+             "already_exists": FailureKind.ALREADY_EXISTS}
 
 
 class CoreStartError(RuntimeError):
@@ -82,7 +85,8 @@ class RequestState:
 
 
 class Frontend:
-    """One front of the router. Single event loop.
+    """One front of the router (front 0 in the router's process, others in front processes:
+    `router.front_server`). Single event loop.
 
     stream_interval: tokens a request accumulates before its stream is sent an update (1 =
     every token, vLLM's default); a finish always flushes.
@@ -99,7 +103,6 @@ class Frontend:
         self._seq_ids = itertools.count((front_id << SEQ_ID_FRONT_SHIFT) + 1)
         self.served: asyncio.Future[ServedInfo] = asyncio.get_running_loop().create_future()
         self.core_ready = False
-        self.requests_finished = 0
         self._stats: dict[int, asyncio.Future[CoreStats]] = {}
         self._stats_ids = itertools.count()
 
@@ -108,11 +111,11 @@ class Frontend:
     def submit(self, req: GenerateRequest) -> AsyncIterator[list[StreamItem]]:
         """Send `req` to the core; the stream yields its items, coalesced per wake-up.
 
-        Raises DuplicateRequestError when a live request has the same request_id (the
-        core's refusals and failures arrive as the stream's last item)."""
+        Raises DuplicateRequestError when a live request of this front has the same
+        request_id. The core's refusals (among them a request_id live on another front) and
+        failures arrive as the stream's last item."""
         if req.request_id in self.requests:
-            raise DuplicateRequestError(f"request_id {req.request_id!r} is already running; "
-                                        "request ids must be unique among live requests")
+            raise DuplicateRequestError(duplicate_request_message(req.request_id))
         seq_ids = [next(self._seq_ids) for _ in range(req.n)]
         sampling = [req.sampling] * req.n
         if req.sampling.seed is not None:  # choices of one seeded request must differ
@@ -128,8 +131,9 @@ class Frontend:
         self.requests[req.request_id] = state
         for seq in seq_ids:
             self.seq_owner[seq] = state
-        self.endpoint.send(AddRequest(seq_ids, list(req.prompt_token_ids), sampling,
-                                      req.priority, req.max_tokens, sorted(stop_ids)))
+        self.endpoint.send(AddRequest(req.request_id, seq_ids, list(req.prompt_token_ids),
+                                      sampling, req.priority, req.max_tokens,
+                                      sorted(stop_ids)))
         return self._stream(state)
 
     async def _stream(self, state: RequestState) -> AsyncIterator[list[StreamItem]]:
@@ -237,7 +241,6 @@ class Frontend:
             usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
                           max(0, state.cached_prompt_tokens))
             self._close(state, RequestDone(usage))
-            self.requests_finished += 1
 
     def _fail_seqs(self, seq_ids: list[int], kind: FailureKind, message: str) -> None:
         states = {id(s): s for s in (self.seq_owner.get(q) for q in seq_ids) if s is not None}
@@ -279,3 +282,8 @@ class Frontend:
     def shutdown_core(self) -> None:
         """Tell the core to drain the stages and exit."""
         self.endpoint.send(Shutdown())
+
+    def report_front_gone(self, front: int) -> None:
+        """Tell the core that front `front`'s process ended (the router supervises them):
+        it aborts that front's sequences."""
+        self.endpoint.send(FrontGone(front))

@@ -47,6 +47,7 @@ class FailureKind(Enum):
     UNAVAILABLE = "unavailable"  # a stage down past the recovery budget, or stopping
     RESOURCE_EXHAUSTED = "resource_exhausted"  # the core's queue is full: retry later
     INVALID_ARGUMENT = "invalid_argument"  # the core can never run it as given
+    ALREADY_EXISTS = "already_exists"  # its request_id is live (on any front)
     INTERNAL = "internal"
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from foundation.tokenizer import ModelTokenizer
 from protos.stagemesh.v1 import inference_pb2 as pb
@@ -118,5 +120,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_cached=stats.kv_blocks_cached, prefix_cache_hit_rate=hit,
             stages=stages, steps=stats.steps,
-            requests_finished=self.front.requests_finished,
+            requests_finished=stats.requests_finished,
         )
+
+
+def add_services(server: grpc.aio.Server, servicer: InferenceServicer,
+                 health_servicer: health.HealthServicer) -> None:
+    """Serve the InferenceService, gRPC health and server reflection (for the three) on
+    `server`; every front's server is built the same way."""
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (pb.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+             health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)

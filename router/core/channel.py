@@ -2,8 +2,9 @@
 
 The core binds one PULL socket that every front PUSHes to; each front binds its own PULL
 socket for outputs and says where in its `Hello`, and the core PUSHes that front's messages
-there. Sends never block (no high-water mark): a send is a copy into ZeroMQ's queue, so the
-core's step loop never waits on a front. Receives are asyncio.
+there (until `forget`: that front's process is gone). Sends never block (no high-water
+mark): a send is a copy into ZeroMQ's queue, so the core's step loop never waits on a front.
+Receives are asyncio.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class CoreEndpoint:
     @property
     def fronts(self) -> list[int]:
         return list(self._fronts)
+
+    def forget(self, front: int) -> None:
+        """Stop sending to `front` (its process is gone); what is queued for it is dropped."""
+        sock = self._fronts.pop(front, None)
+        if sock is not None:
+            sock.close(linger=0)
 
     def send(self, front: int, msg: CoreMessage) -> None:
         """Queue `msg` for `front` (dropped if that front never said hello)."""

@@ -19,9 +19,8 @@ from typing import Protocol
 from foundation.model_config import ModelConfig
 from router.core.capacity import plan_capacity
 from router.core.config import CoreConfig
+from router.core.ledger import Ledger
 from router.core.messages import (
-    FINISH_LENGTH,
-    FINISH_NONE,
     FINISH_STOP,
     AddRequest,
     CoreMessage,
@@ -29,6 +28,7 @@ from router.core.messages import (
     CoreStats,
     Failed,
     FinishSeqs,
+    FrontGone,
     FrontMessage,
     Hello,
     LogprobEntry,
@@ -37,6 +37,7 @@ from router.core.messages import (
     Shutdown,
     StageStat,
     StatsRequest,
+    duplicate_request_message,
     front_of,
     pack_outputs,
 )
@@ -60,18 +61,7 @@ class OutputSink(Protocol):
 
     def broadcast(self, msg: CoreMessage) -> None: ...
 
-
-class SeqRules:
-    """The token-level rules of one live sequence, and what the core reported of it."""
-
-    __slots__ = ("generated", "logprobs", "max_tokens", "reported_cached", "stop_ids")
-
-    def __init__(self, max_tokens: int, stop_ids: frozenset[int], logprobs: bool) -> None:
-        self.max_tokens = max_tokens
-        self.stop_ids = stop_ids
-        self.logprobs = logprobs
-        self.generated = 0
-        self.reported_cached = False
+    def forget(self, front: int) -> None: ...
 
 
 class FrontBatch:
@@ -88,7 +78,8 @@ class FrontBatch:
 
 
 class EngineCore:
-    """Owns the scheduler and the pipeline; one per router. Single event loop."""
+    """Owns the scheduler and the pipeline; one per router, serving every front of it (each
+    says `Hello`; `FrontGone` ends one). Single event loop."""
 
     def __init__(self, cfg: CoreConfig, model: ModelConfig, pipeline: Pipeline,
                  sink: OutputSink) -> None:
@@ -100,7 +91,9 @@ class EngineCore:
         pipeline.on_failure = self._on_failure
         self.scheduler: Scheduler | None = None
         self.served: ServedInfo | None = None
-        self.rules: dict[int, SeqRules] = {}
+        self.ledger = Ledger()
+        self.fronts: set[int] = set()  # said hello, not gone
+        self._gone_fronts: set[int] = set()
         self.steps = 0
         self._cached: dict[int, list[tuple[int, int]]] = {}  # front -> not yet reported
         self._wake = asyncio.Event()
@@ -151,9 +144,11 @@ class EngineCore:
         elif isinstance(msg, FinishSeqs):
             self._finish(msg)
         elif isinstance(msg, Hello):
-            self.sink.send(msg.front, self._state())
+            self._hello(msg)
         elif isinstance(msg, StatsRequest):
             asyncio.create_task(self._stats(msg))  # noqa: RUF006 (answers on its own)
+        elif isinstance(msg, FrontGone):
+            self._drop_front(msg.front)
         elif isinstance(msg, Shutdown):
             self.stopped.set()
         self._wake.set()
@@ -170,14 +165,43 @@ class EngineCore:
             self._was_ready = self.ready
             self.sink.broadcast(self._state())
 
+    # --- fronts ----------------------------------------------------------------------------
+
+    def _hello(self, msg: Hello) -> None:
+        """A front (new, or one that restarted its endpoint) gets the state at once: a front
+        that joins a core already serving learns the served model from this reply."""
+        self.fronts.add(msg.front)
+        log.info("front %d connected (%d front(s))", msg.front, len(self.fronts))
+        self.sink.send(msg.front, self._state())
+
+    def _drop_front(self, front: int) -> None:
+        """A front process died: abort its sequences (the next plan tells the stages) and
+        send it nothing more."""
+        self._gone_fronts.add(front)
+        self.fronts.discard(front)
+        self.sink.forget(front)
+        self._cached.pop(front, None)
+        seq_ids = self.ledger.abort_all(front)
+        for seq_id in seq_ids:
+            if self.scheduler is not None:
+                self.scheduler.abort(seq_id)
+        log.log(logging.WARNING if seq_ids else logging.INFO,
+                "front %d is gone: %d of its sequence(s) aborted", front, len(seq_ids))
+
     # --- requests --------------------------------------------------------------------------
 
     def _add(self, msg: AddRequest) -> None:
         scheduler = self.scheduler
         front = front_of(msg.seq_ids[0])
+        if front in self._gone_fronts:  # sent just before that front died
+            return
         if scheduler is None or self._down_past_budget():
             self.sink.send(front, Failed(msg.seq_ids, "the pipeline is down past its recovery "
                                                       "budget" if scheduler else "starting"))
+            return
+        if self.ledger.is_live(msg.request_id):  # request ids are unique across fronts
+            self.sink.send(front, Refused(msg.seq_ids, "already_exists",
+                                          duplicate_request_message(msg.request_id)))
             return
         choices = [ChoiceSpec(s, p) for s, p in zip(msg.seq_ids[1:], msg.sampling[1:],
                                                      strict=True)]
@@ -190,14 +214,15 @@ class EngineCore:
         except SchedulerError as e:
             self.sink.send(front, Refused(msg.seq_ids, "invalid_argument", str(e)))
             return
-        stop_ids = frozenset(msg.stop_token_ids)
-        for seq_id, params in zip(msg.seq_ids, msg.sampling, strict=True):
-            self.rules[seq_id] = SeqRules(msg.max_tokens, stop_ids, params.logprobs is not None)
+        self.ledger.add(msg.request_id, msg.seq_ids, msg.max_tokens,
+                        frozenset(msg.stop_token_ids),
+                        [params.logprobs is not None for params in msg.sampling])
 
     def _finish(self, msg: FinishSeqs) -> None:
         reason = FinishReason(msg.reason)
+        aborted = reason is FinishReason.ABORT
         for seq_id in msg.seq_ids:
-            if self.rules.pop(seq_id, None) is not None and self.scheduler is not None:
+            if self.ledger.end(seq_id, aborted) is not None and self.scheduler is not None:
                 self.scheduler.finish(seq_id, reason)
 
     def _down_past_budget(self) -> bool:
@@ -227,7 +252,7 @@ class EngineCore:
     def _note_prefix_hits(self, plan: StepPlan) -> None:
         """A sequence's first prefill starts at its prefix-cache hits; reported once."""
         for seq in plan.new_seqs:
-            rules = self.rules.get(seq.seq_id)
+            rules = self.ledger.rules.get(seq.seq_id)
             if rules is not None and not rules.reported_cached:
                 rules.reported_cached = True
                 self._cached.setdefault(front_of(seq.seq_id), []).append(
@@ -240,11 +265,15 @@ class EngineCore:
         update = scheduler.update(outcome.step_id, outcome.tokens)
         capped = set(update.length_capped_seq_ids)
         batches: dict[int, FrontBatch] = {}
+        live = self.ledger.rules
         for seq_id, token in update.new_tokens.items():
-            rules = self.rules.get(seq_id)
+            rules = live.get(seq_id)
             if rules is None:
                 continue
-            code = self._verdict(seq_id, token, rules, seq_id in capped)
+            code = self.ledger.verdict(seq_id, token, rules, seq_id in capped)
+            if code and seq_id not in capped:  # a capped one the scheduler already ended
+                scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
+                                 else FinishReason.LENGTH)
             front = front_of(seq_id)
             batch = batches.get(front)
             if batch is None:
@@ -257,22 +286,6 @@ class EngineCore:
                                                    list(lp.top)))
         self._send_batches(batches)
         self._wake.set()
-
-    def _verdict(self, seq_id: int, token: int, rules: SeqRules, capped: bool) -> int:
-        """The FINISH_* code of a sequence's new token; ends the sequence when it is one."""
-        rules.generated += 1
-        if token in rules.stop_ids:
-            code = FINISH_STOP
-        elif capped or rules.generated >= rules.max_tokens:
-            code = FINISH_LENGTH
-        else:
-            return FINISH_NONE
-        del self.rules[seq_id]
-        if not capped:  # a capped sequence was already ended by the scheduler
-            assert self.scheduler is not None
-            self.scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
-                                  else FinishReason.LENGTH)
-        return code
 
     def _send_batches(self, batches: dict[int, FrontBatch]) -> None:
         for front, batch in batches.items():
@@ -324,13 +337,12 @@ class EngineCore:
         self._wake.set()
 
     def _fail_all(self, message: str) -> None:
-        log.error("%s; failing %d sequence(s)", message, len(self.rules))
+        log.error("%s; failing %d sequence(s)", message, len(self.ledger))
         by_front: dict[int, list[int]] = {}
         assert self.scheduler is not None
-        for seq_id in list(self.rules):
+        for seq_id in self.ledger.abort_all():
             by_front.setdefault(front_of(seq_id), []).append(seq_id)
             self.scheduler.abort(seq_id)
-        self.rules.clear()
         for front, seq_ids in by_front.items():
             self.sink.send(front, Failed(seq_ids, message))
 
@@ -349,4 +361,5 @@ class EngineCore:
         self.sink.send(msg.front, CoreStats(
             msg.request_id, stats.num_waiting, stats.num_running, kv.num_used_blocks,
             kv.num_blocks, kv.num_cached_free_blocks, kv.prefix_query_tokens,
-            kv.prefix_hit_tokens, self.steps, stages))
+            kv.prefix_hit_tokens, self.steps, stages, self.ledger.requests_finished,
+            dict(self.ledger.finished_by_front), sorted(self.fronts)))

@@ -45,11 +45,14 @@ class Hello(msgspec.Struct, tag=True, array_like=True):
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
     """One request: a sequence per choice (n > 1 shares the prompt's blocks).
 
-    stop_token_ids: tokens that end a choice (EOS included unless the request ignores it);
-    max_tokens: tokens a choice may generate. The core applies both, so no token is planned
-    past them; stop strings are the front's (it reports them with `FinishSeqs`).
+    request_id: the client's id; the core refuses one that a live request of any front
+    already has (`Refused` with status "already_exists"). stop_token_ids: tokens that end a
+    choice (EOS included unless the request ignores it); max_tokens: tokens a choice may
+    generate. The core applies both, so no token is planned past them; stop strings are the
+    front's (it reports them with `FinishSeqs`).
     """
 
+    request_id: str
     seq_ids: list[int]
     prompt: list[int]
     sampling: list[SamplingParams]
@@ -74,7 +77,21 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Drain the stages and exit (the router is stopping)."""
 
 
-FrontMessage = Hello | AddRequest | FinishSeqs | StatsRequest | Shutdown
+class FrontGone(msgspec.Struct, tag=True, array_like=True):
+    """A front process ended (sent by the router, which supervises them): the core aborts
+    that front's sequences, frees their blocks, and sends it nothing more. Front ids are never
+    reused, so anything that front sent and that arrives later is dropped."""
+
+    front: int
+
+
+FrontMessage = Hello | AddRequest | FinishSeqs | StatsRequest | Shutdown | FrontGone
+
+
+def duplicate_request_message(request_id: str) -> str:
+    """The refusal of a request whose id a live request already has (ALREADY_EXISTS)."""
+    return (f"request_id {request_id!r} is already running; request ids must be unique "
+            "among live requests")
 
 
 # --- core -> front ---------------------------------------------------------------------------
@@ -111,8 +128,9 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
 
 class Refused(msgspec.Struct, tag=True, array_like=True):
-    """A request the core did not admit. status: "resource_exhausted" (queue full; retry)
-    or "invalid_argument" (can never run)."""
+    """A request the core did not admit. status: "resource_exhausted" (queue full; retry),
+    "invalid_argument" (can never run) or "already_exists" (its request_id is live, on this
+    front or another)."""
 
     seq_ids: list[int]
     status: str
@@ -158,6 +176,11 @@ class StageStat(msgspec.Struct, array_like=True):
 
 
 class CoreStats(msgspec.Struct, tag=True, array_like=True):
+    """The core's counters, answered to the front that asked. requests_finished: requests
+    of every front whose choices all ended with a stop or a length (not aborted or failed);
+    finished_by_front: the same by front id (fronts that are gone included); fronts: the ids
+    of the fronts the core serves now."""
+
     request_id: int
     num_waiting: int
     num_running: int
@@ -168,6 +191,9 @@ class CoreStats(msgspec.Struct, tag=True, array_like=True):
     prefix_hit_tokens: int
     steps: int
     stages: list[StageStat]
+    requests_finished: int = 0
+    finished_by_front: dict[int, int] = {}
+    fronts: list[int] = []
 
 
 CoreMessage = StepOutputs | Refused | Failed | CoreState | CoreStats

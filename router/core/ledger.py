@@ -1,0 +1,100 @@
+"""The engine core's record of what is live: each sequence's token-level rules (stop token
+ids, max_tokens) and the request it belongs to, the request ids in use (unique across every
+front, since one core serves them all) and how many requests finished, in all and by front.
+Pure bookkeeping: the core tells the scheduler."""
+
+from __future__ import annotations
+
+from router.core.messages import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, front_of
+
+
+class LiveRequest:
+    """A request with at least one live sequence. aborted: one of its sequences was aborted
+    or failed, so it does not count as finished."""
+
+    __slots__ = ("aborted", "live", "request_id")
+
+    def __init__(self, request_id: str, live: int) -> None:
+        self.request_id = request_id
+        self.live = live
+        self.aborted = False
+
+
+class SeqRules:
+    """The token-level rules of one live sequence, and what the core reported of it."""
+
+    __slots__ = ("generated", "logprobs", "max_tokens", "reported_cached", "request",
+                 "stop_ids")
+
+    def __init__(self, request: LiveRequest, max_tokens: int, stop_ids: frozenset[int],
+                 logprobs: bool) -> None:
+        self.request = request
+        self.max_tokens = max_tokens
+        self.stop_ids = stop_ids
+        self.logprobs = logprobs
+        self.generated = 0
+        self.reported_cached = False
+
+
+class Ledger:
+    """Live sequences by id (`rules`, read directly on the per-token path) and live requests
+    by request id."""
+
+    def __init__(self) -> None:
+        self.rules: dict[int, SeqRules] = {}
+        self._requests: dict[str, LiveRequest] = {}
+        self.requests_finished = 0
+        self.finished_by_front: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add(self, request_id: str, seq_ids: list[int], max_tokens: int,
+            stop_ids: frozenset[int], logprobs: list[bool]) -> None:
+        """Record an admitted request: one sequence per choice. The caller checked
+        `is_live(request_id)` first."""
+        request = LiveRequest(request_id, len(seq_ids))
+        self._requests[request_id] = request
+        for seq_id, wants_logprobs in zip(seq_ids, logprobs, strict=True):
+            self.rules[seq_id] = SeqRules(request, max_tokens, stop_ids, wants_logprobs)
+
+    def end(self, seq_id: int, aborted: bool) -> SeqRules | None:
+        """Forget a sequence (its request too, once its last sequence ended; it counts as
+        finished unless one of them was aborted). None if it was not live."""
+        rules = self.rules.pop(seq_id, None)
+        if rules is None:
+            return None
+        request = rules.request
+        request.live -= 1
+        request.aborted |= aborted
+        if request.live == 0:
+            del self._requests[request.request_id]
+            if not request.aborted:
+                self.requests_finished += 1
+                front = front_of(seq_id)
+                self.finished_by_front[front] = self.finished_by_front.get(front, 0) + 1
+        return rules
+
+    def verdict(self, seq_id: int, token: int, rules: SeqRules, capped: bool) -> int:
+        """The FINISH_* code of a live sequence's new token (`rules` is its); a stop token,
+        `max_tokens` or `capped` (the scheduler ended it at the context limit) ends it here.
+        The caller tells the scheduler."""
+        rules.generated += 1
+        if token in rules.stop_ids:
+            code = FINISH_STOP
+        elif capped or rules.generated >= rules.max_tokens:
+            code = FINISH_LENGTH
+        else:
+            return FINISH_NONE
+        self.end(seq_id, aborted=False)
+        return code
+
+    def abort_all(self, front: int | None = None) -> list[int]:
+        """End every live sequence, of one front or of all, as aborted; returns their ids."""
+        seq_ids = [seq_id for seq_id in self.rules if front is None or front_of(seq_id) == front]
+        for seq_id in seq_ids:
+            self.end(seq_id, aborted=True)
+        return seq_ids
