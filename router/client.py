@@ -97,11 +97,20 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
 
 
 class RouterClient:
-    """Async client over one channel. Errors surface as `grpc.aio.AioRpcError`."""
+    """Async client over one channel. Errors surface as `grpc.aio.AioRpcError`.
+
+    own_connection: give this client a connection of its own. By default gRPC lets channels
+    to the same address with the same settings in one process share a connection, so they
+    all reach the same one of a router's `--api-processes` (a connection stays with the
+    process that accepted it).
+    """
 
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
-        options = [("grpc.max_receive_message_length", 64 << 20)]
+                 metadata: Sequence[tuple[str, str]] = (), own_connection: bool = False
+                 ) -> None:
+        options: list[tuple[str, int]] = [("grpc.max_receive_message_length", 64 << 20)]
+        if own_connection:
+            options.append(("grpc.use_local_subchannel_pool", 1))
         self.channel = (grpc.aio.secure_channel(address, credentials, options) if credentials
                         else grpc.aio.insecure_channel(address, options))
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)

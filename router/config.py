@@ -34,6 +34,12 @@ class RouterConfig:
         run_ahead: plan a sequence's next step before its token came back to the router
             (the stages feed it to the first stage over the data plane); the output is the
             same either way. Off: every step waits for the previous one's tokens.
+        api_processes: processes serving the public API on host:port, each a front of the
+            one engine core: the router's own and api_processes - 1 front processes
+            (`router.front_process`), all bound with SO_REUSEPORT so the kernel spreads
+            client connections across them. More than 1 when one process's per-token work
+            (detokenizing, stop strings, one gRPC message per token per stream) limits
+            throughput.
     """
 
     model_dir: Path
@@ -58,7 +64,10 @@ class RouterConfig:
     stage_tls: ClientTls | None = None
     engine_core: str = "process"
     run_ahead: bool = True
+    api_processes: int = 1
 
     def __post_init__(self) -> None:
         if self.engine_core not in ("process", "task"):
             raise ValueError(f"engine_core must be 'process' or 'task', got {self.engine_core!r}")
+        if self.api_processes < 1:
+            raise ValueError(f"api_processes must be >= 1, got {self.api_processes}")

@@ -1,10 +1,14 @@
-"""The router process: the public gRPC API (health, reflection) and its front, in front of
-an engine core that runs in a child process (`router.core.process`).
+"""The router process: front 0 (the public gRPC API with health and reflection, and its
+`Frontend`), the front processes that `--api-processes N` adds (fronts 1..N-1,
+`router.fronts`), and the engine core in a child process (`router.core.process`) that every
+front talks to.
 
-Start-up: the gRPC server serves health (NOT_SERVING) at once; the core is started and
-brings the pipeline up; once it reports what the stages can do (`ServedInfo`), the API
-serves. A core that cannot start (the stages never came up, or a flag exceeds a stage's
-capacity) ends the router with one line saying why; a core that dies later ends it too.
+Start-up: front 0 serves health (NOT_SERVING) at once; the core is started and brings the
+pipeline up while the front processes start and bind the same port; once the core reports
+what the stages can do (`ServedInfo`) and every front serves, the router is up. A core that
+cannot start (the stages never came up, or a flag exceeds a stage's capacity) ends the
+router with one line saying why; a core that dies later ends it too, and so do front
+processes that keep dying (`router.fronts`).
 """
 
 from __future__ import annotations
@@ -20,29 +24,20 @@ import sys
 import tempfile
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from foundation.api_keys import ApiKeys
-from foundation.tls import ListenError, add_port
+from foundation.tls import ListenError
 from foundation.tokenizer import ModelTokenizer
-from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
-from router.auth import ApiKeyInterceptor
 from router.config import RouterConfig
-from router.core.channel import FrontEndpoint
 from router.core.config import CoreConfig
 from router.core.messages import ServedInfo
 from router.core.process import run_core
-from router.frontend import CoreStartError, Frontend
-from router.outputs import FailureKind
-from router.service import InferenceServicer
+from router.front_server import FrontConfig, FrontServer
+from router.frontend import CoreStartError
+from router.fronts import FrontProcesses, FrontStartError
 
 log = logging.getLogger("stagemesh.router")
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 CORE_EXIT_TIMEOUT_S = 15.0
+FRONT_EXIT_MARGIN_S = 5.0  # beyond the drain timeout, for a front process to exit
 
 
 def core_config(cfg: RouterConfig, input_address: str) -> CoreConfig:
@@ -57,7 +52,7 @@ def core_config(cfg: RouterConfig, input_address: str) -> CoreConfig:
 
 
 class RouterApp:
-    """Composes the front, the servicers and the engine core; owns their lifetimes.
+    """Composes front 0, the front processes and the engine core; owns their lifetimes.
 
     Construct inside a running event loop.
     """
@@ -67,48 +62,48 @@ class RouterApp:
         self.tokenizer = ModelTokenizer.from_dir(cfg.model_dir)
         self._dir = tempfile.mkdtemp(prefix="stagemesh-router-")
         self.core_cfg = core_config(cfg, f"ipc://{self._dir}/core")
-        self.front = Frontend(0, FrontEndpoint(0, self.core_cfg.input_address,
-                                               f"ipc://{self._dir}/front0"),
-                              self.tokenizer, cfg.stream_interval)
-        self.servicer = InferenceServicer(self.front, self.tokenizer, cfg.model_name)
-        self.health = health.HealthServicer()
-        interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", cfg.max_request_bytes),
-            ("grpc.max_send_message_length", 64 << 20)])
+        self.port = cfg.port  # the bound one once started
+        self.server = FrontServer(self._front_config(0), self.tokenizer)
+        self.front = self.server.front
+        self.servicer = self.server.servicer
+        self.fronts = FrontProcesses(cfg.api_processes - 1, self._front_config,
+                                     self.front.report_front_gone)
         self._core_proc: subprocess.Popen[bytes] | None = None
         self._core_task: asyncio.Task[int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.core_gone = asyncio.Event()
+        self._stopped = False
+
+    def _front_config(self, front_id: int) -> FrontConfig:
+        return FrontConfig.of_router(self.cfg, front_id, self.core_cfg.input_address,
+                                     f"ipc://{self._dir}/front{front_id}", self.port)
 
     async def start(self) -> str:
-        """Serve health at once, start the core and wait until it reports the stages up.
-        Returns the bound address.
+        """Serve health at once, start the core and the front processes, and wait until the
+        core reports the stages up and every front serves. Returns the bound address.
 
-        Raises ListenError (the port) or CoreStartError (the stages did not come up within
-        the startup budget, or a flag exceeds a stage's capacity), having stopped what it
-        started.
+        Raises ListenError (the port), CoreStartError (the stages did not come up within the
+        startup budget, or a flag exceeds a stage's capacity) or FrontStartError, having
+        stopped what it started.
         """
-        inference_pb2_grpc.add_InferenceServiceServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self._set_health(live=True, ready=False)
-        names = (inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
-                 health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, self.server)
-        port = add_port(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
-        await self.server.start()
-        address = f"{self.cfg.host}:{port}"
+        self.port = await self.server.start()  # port 0: the front processes bind this one
+        address = f"{self.cfg.host}:{self.port}"
         log.info("router listening on %s; waiting for %d stage(s)", address,
                  len(self.cfg.stage_addresses))
         self._start_core()
-        self._tasks = [asyncio.create_task(self.front.run(), name="front"),
-                       asyncio.create_task(self._watch_core(), name="core-watch")]
+        self._tasks = [asyncio.create_task(self._watch_core(), name="core-watch")]
+        fronts = asyncio.create_task(self.fronts.start(), name="front-processes")
         try:
             await self._wait_served()
+            await fronts
         except BaseException:
+            fronts.cancel()
+            await asyncio.gather(fronts, return_exceptions=True)
             await self._stop_all()
             raise
-        self._tasks.append(asyncio.create_task(self._watch_readiness()))
+        if self.fronts.count:
+            log.info("%d front process(es) serve %s too (--api-processes %d)",
+                     self.fronts.count, address, self.cfg.api_processes)
         return address
 
     def _start_core(self) -> None:
@@ -147,41 +142,31 @@ class RouterApp:
                 await asyncio.sleep(0.2)
         self.core_gone.set()
 
-    def _set_health(self, live: bool, ready: bool) -> None:
-        self.health.set("liveness", SERVING if live else NOT_SERVING)
-        self.health.set("readiness", SERVING if ready else NOT_SERVING)
-        self.health.set("", SERVING if ready else NOT_SERVING)
-
-    async def _watch_readiness(self) -> None:
-        last = None
-        while True:
-            ready = self.front.core_ready and not self.servicer.draining
-            if ready != last:
-                self._set_health(live=True, ready=ready)
-                log.info("readiness: %s", "SERVING" if ready else "NOT_SERVING")
-                last = ready
-            await asyncio.sleep(0.1)
-
     async def drain_and_stop(self) -> None:
-        """SIGTERM: NOT_SERVING at once, refuse new work, let in-flight requests finish,
-        then stop the core (it drains the stages) and the server."""
-        self.servicer.draining = True
-        self._set_health(live=True, ready=False)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.drain_timeout_s
-        while self.front.requests and loop.time() < deadline and not self.core_gone.is_set():
-            await asyncio.sleep(0.05)
-        self.front.fail_all(FailureKind.UNAVAILABLE, "server stopping")
+        """SIGTERM: every front NOT_SERVING at once and refusing new work; in-flight
+        requests get the drain timeout to finish; then the front processes exit, the core
+        stops (it drains the stages) and so does front 0's server. Once only: a later call
+        returns at once."""
+        if self._stopped:
+            return
+        self.server.start_draining()
+        timeout = self.cfg.drain_timeout_s
+        fronts = asyncio.create_task(self.fronts.stop(timeout + FRONT_EXIT_MARGIN_S,
+                                                      self.core_gone.is_set))
+        await self.server.drain(asyncio.get_running_loop().time() + timeout,
+                                self.core_gone.is_set)
+        await fronts
         await self._stop_all()
 
     async def _stop_all(self) -> None:
+        self._stopped = True
+        await self.fronts.stop(FRONT_EXIT_MARGIN_S)  # at once when they already exited
         self.front.shutdown_core()
         await self._wait_core_exit()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.server.stop(grace=1.0)
-        self.front.endpoint.close()
+        await self.server.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _wait_core_exit(self) -> None:
@@ -212,16 +197,21 @@ async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
         with open(ready_file + ".tmp", "w") as f:
             f.write(address)
         os.replace(ready_file + ".tmp", ready_file)
-    stopped = asyncio.create_task(stop.wait())
-    gone = asyncio.create_task(app.core_gone.wait())
-    await asyncio.wait({stopped, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if not stop.is_set():
-        log.error("the engine core exited; stopping the router")
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(app.core_gone.wait()),
+             asyncio.create_task(app.fronts.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if stop.is_set():
+        log.info("draining")
         await app.drain_and_stop()
-        return 1
-    log.info("draining")
+        return 0
+    if app.core_gone.is_set():
+        log.error("the engine core exited; stopping the router")
+    else:
+        log.error("%s; stopping the router", app.fronts.error)
     await app.drain_and_stop()
-    return 0
+    return 1
 
 
 def run_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
@@ -240,6 +230,6 @@ def run_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
         else:
             log.error("%s", e)
         return 1
-    except ListenError as e:
+    except (ListenError, FrontStartError) as e:
         log.error("%s", e)
         return 1

@@ -30,6 +30,16 @@ def _layers(text: str) -> tuple[int, ...]:
             f"layers must be comma-separated counts, got {text!r}") from None
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_service_commands(commands: SubParsers) -> None:
     _add_stage(commands)
     _add_router(commands)
@@ -211,6 +221,14 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-core", choices=("process", "task"), default="process",
                    help="run the engine core (scheduler, KV, pipeline driver) in its own "
                         "process (default), or as a task of the router's front (debugging)")
+    p.add_argument("--api-processes", type=_at_least_one, default=1, metavar="N",
+                   help="processes serving the public gRPC API on the router's host:port, "
+                        "each a front of the one engine core (validation, tokenization, "
+                        "detokenization, stop strings, streaming): the router's own and N-1 "
+                        "more, sharing the port (SO_REUSEPORT) so the kernel spreads client "
+                        "connections across them; a connection stays on one process. Raise "
+                        "it when one process's per-token work limits throughput, e.g. "
+                        "hundreds of concurrent streams (default: %(default)s)")
 
 
 def _add_router(commands: SubParsers) -> None:
@@ -243,7 +261,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
         step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
         engine_core=args.engine_core, run_ahead=not args.no_run_ahead,
-        api_keys=api_keys(args),
+        api_processes=args.api_processes, api_keys=api_keys(args),
     )
 
 

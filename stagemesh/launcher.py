@@ -111,7 +111,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--recovery-budget", str(args.recovery_budget),
               "--step-timeout", str(args.step_timeout),
               "--stream-interval", str(args.stream_interval),
-              "--engine-core", args.engine_core]
+              "--engine-core", args.engine_core,
+              "--api-processes", str(args.api_processes)]
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:

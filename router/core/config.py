@@ -1,5 +1,5 @@
 """The engine core's configuration: a subset of the router's, passed to the core process as
-JSON on its command line (no pickle)."""
+JSON on its stdin (no pickle)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The engine core's process: `python -m router.core.process`, its `CoreConfig` as JSON on
 stdin (never on the command line: it may hold the stage TLS client key).
 
-Started by the router (`router.main`), which runs the front. The core binds its input
-socket, brings the pipeline up, tells the fronts (`CoreState`), steps until a front says
-`Shutdown`, then drains the stages and exits. It exits by itself if the router dies (its
-parent process changes).
+Started by the router (`router.main`), which runs front 0 (and the front processes of
+`--api-processes`). The core binds its input socket, brings the pipeline up, tells the
+fronts (`CoreState`), steps until front 0 says `Shutdown`, then drains the stages and
+exits. It exits by itself if the router dies (its parent process changes).
 
 `run_core` is the whole life, also used in-process (the router's `--engine-core task`,
 tests), where it runs as a task on the router's own event loop.
