@@ -22,14 +22,24 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from stage_worker.host_transfer import upload
 
-if TYPE_CHECKING:
-    from stage_worker.step_input import SeqChunk
+
+class SeqChunk(Protocol):
+    """What `rows_for` reads of a step's chunk (`step_input.SeqChunk`)."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def num_computed(self) -> int: ...
+    @property
+    def num_new(self) -> int: ...
+    @property
+    def block_table(self) -> Sequence[int]: ...
 
 
 @dataclass

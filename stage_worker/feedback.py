@@ -5,8 +5,9 @@ k" (`StageCachedSeq.input_from_step`), so the router need not wait for step k's 
 before sending the plan that continues the sequence. The first stage takes that token from
 the data plane, never from the router:
 
-- one stage (first == last): from its own result of step k, which it puts here after the
-  step, the ids still on the device (`StepTokens.device_ids`);
+- one stage (first == last): from its own step k, which it puts here as soon as the sampling
+  is queued on the device, the ids still there (`StepTokens.device_ids`; the host values
+  may not exist yet);
 - P > 1 stages: over the feedback link. After every step it runs, sampling or not, the last
   stage sends one data-plane message on it: header step id = the step, two int64 tensors
   `seq_ids [S]` and `token_ids [S]` (the sampling sequences in batch order; S may be 0). The
@@ -45,19 +46,24 @@ class FeedbackMissingError(RuntimeError):
 class StepTokens:
     """The tokens the last stage sampled at one step.
 
-    seq_ids / token_ids: aligned, batch order of the step's sampling sequences.
+    seq_ids / token_ids: aligned, batch order of the step's sampling sequences; token_ids is
+        None while the tokens are only on the device (one-stage pipeline).
     device_ids: [S] int64, the same tokens on the sampling device (one-stage pipeline), or
         None (they came over the feedback link).
     """
 
     step_id: int
     seq_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | None
     device_ids: torch.Tensor | None = None
     rows: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.seq_ids) != len(self.token_ids):
+        if self.token_ids is None:
+            if self.device_ids is None:
+                raise ValueError(f"step {self.step_id}: tokens neither on the host nor on "
+                                 "the device")
+        elif len(self.seq_ids) != len(self.token_ids):
             raise ValueError(f"step {self.step_id}: {len(self.seq_ids)} sequences, "
                              f"{len(self.token_ids)} tokens")
         object.__setattr__(self, "rows", {s: i for i, s in enumerate(self.seq_ids)})
@@ -126,7 +132,7 @@ class FeedbackStore:
             for seq_id, k in wants:
                 tokens = self._wait(step_id, k, deadline, timeout_s)
                 row = tokens.rows.get(seq_id)
-                if row is None:
+                if row is None or tokens.token_ids is None:
                     raise FeedbackMissingError(
                         f"step {step_id}: sequence {seq_id} takes its input from step {k}, "
                         f"which sampled no token for it")
@@ -154,15 +160,15 @@ def gather_device_inputs(inputs: torch.Tensor, ahead: Sequence[tuple[int, int, i
                          store: FeedbackStore) -> None:
     """Overwrite the run-ahead rows of `inputs` [T] (int64, on the device) with the tokens
     their steps left on the device (a one-stage pipeline's own samples), without a host
-    round trip for the values. `ahead`: (row, seq_id, step) from `HeldSeqs.apply`. Rows whose
-    step kept no device ids keep the value they have."""
+    round trip for the values. `ahead`: (row, seq_id, step) from `HeldSeqs.apply`.
+    Raises FeedbackMissingError for a step that left no ids on the device."""
     by_step: dict[int, list[tuple[int, int]]] = {}
     for row, seq_id, k in ahead:
         by_step.setdefault(k, []).append((row, seq_id))
     for k, items in by_step.items():
         tokens = store.get(k)
         if tokens is None or tokens.device_ids is None:
-            continue
+            raise FeedbackMissingError(f"the tokens sampled at step {k} are not on the device")
         device = tokens.device_ids.device
         rows = to_device([row for row, _ in items], torch.int64, device)
         src = to_device([tokens.rows[seq_id] for _, seq_id in items], torch.int64, device)

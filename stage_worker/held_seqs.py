@@ -69,17 +69,24 @@ class HeldSeqs:
         self.keep_tokens = keep_tokens
         self.seqs: dict[int, HeldSeq] = {}
         self.block_refs: Counter[int] = Counter()
+        # seq_id -> index in its token_ids of a run-ahead input applied before the step that
+        # sampled it was resolved (`apply(..., deferred=True)`); `record_sampled` fills it.
+        self._unfilled: dict[int, int] = {}
 
     @property
     def kv_blocks_used(self) -> int:
         return len(self.block_refs)
 
-    def apply(self, plan: StagePlan, fed: Mapping[int, int] | None = None) -> StepInputs:
+    def apply(self, plan: StagePlan, fed: Mapping[int, int] | None = None,
+              deferred: bool = False) -> StepInputs:
         """Update the held sequences for `plan`, which `plan_check.check_plan` accepted.
 
         `fed`: where tokens are kept, the token of every run-ahead sequence of the plan
         (seq_id -> the token sampled at its `input_from_step`), appended to its history as
-        if it had come in `append_token_ids`.
+        if it had come in `append_token_ids`. `deferred`: a run-ahead sequence missing from
+        `fed` was sampled by a step whose tokens are still on the device; its history gets
+        a placeholder (and its input row token 0, which the caller overwrites on the device)
+        that `record_sampled` of that step fills.
         """
         for seq_id in plan.free_seq_ids:
             self.free(seq_id)
@@ -102,9 +109,13 @@ class HeldSeqs:
                 self.block_refs.update(cached.new_block_ids)
             start, num_new = cached.num_computed, cached.num_new
             if keep and cached.input_from_step is not None:
-                assert fed is not None, "a run-ahead input needs its token"
                 inputs.ahead.append((len(input_ids), cached.seq_id, cached.input_from_step))
-                state.token_ids.append(fed[cached.seq_id])
+                token = None if fed is None else fed.get(cached.seq_id)
+                if token is None:
+                    assert deferred, "a run-ahead input needs its token"
+                    self._unfilled[cached.seq_id] = len(state.token_ids)
+                    token = 0
+                state.token_ids.append(token)
             elif keep and cached.append_token_ids:
                 state.token_ids += cached.append_token_ids
             chunks.append(SeqChunk(cached.seq_id, start, num_new, state.block_table,
@@ -116,19 +127,34 @@ class HeldSeqs:
     def record_sampled(self, step_id: int, seq_ids: Sequence[int],
                        token_ids: Sequence[int]) -> None:
         """The last stage sampled `token_ids[i]` for `seq_ids[i]` at `step_id` (penalties
-        and seeded draws read them; a run-ahead input names the step)."""
-        seqs = self.seqs
+        and seeded draws read them; a run-ahead input names the step). Sequences freed
+        since (a later plan applied before this step was resolved) are skipped."""
+        seqs, unfilled = self.seqs, self._unfilled
         for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
-            state = seqs[seq_id]
+            state = seqs.get(seq_id)
+            if state is None:
+                continue
             state.output_ids.append(token_id)
             state.num_outputs += 1
             state.last_sample_step = step_id
+            if unfilled:
+                index = unfilled.pop(seq_id, None)
+                if index is not None:
+                    state.token_ids[index] = token_id
+
+    def note_sampling(self, step_id: int, seq_ids: Sequence[int]) -> None:
+        """`step_id` is sampling `seq_ids` on the device: a plan may name it as their
+        run-ahead step before `record_sampled` brings the tokens."""
+        seqs = self.seqs
+        for seq_id in seq_ids:
+            seqs[seq_id].last_sample_step = step_id
 
     def free(self, seq_id: int) -> None:
         """Forget a sequence (unknown ids are ignored: frees are idempotent)."""
         state = self.seqs.pop(seq_id, None)
         if state is None:
             return
+        self._unfilled.pop(seq_id, None)
         self.block_refs.subtract(state.block_table)
         for block in set(state.block_table):
             if self.block_refs[block] <= 0:
@@ -139,4 +165,5 @@ class HeldSeqs:
         dropped = len(self.seqs)
         self.seqs.clear()
         self.block_refs.clear()
+        self._unfilled.clear()
         return dropped

@@ -7,9 +7,18 @@ and those inputs out to the other TP ranks (`tp_fanout`); run `StageRank.step`; 
 the output downstream or, on the last stage, sample, wait once for the sampled ids' host
 copy, record them and send them back to the first stage. The outcome answers the router.
 Synchronous; the gRPC service calls it from one worker thread.
+
+A one-stage pipeline at TP size 1 overlaps steps (`step_overlapped`): when the next plan is
+already queued, it queues that step's forward pass on the GPU before waiting for the
+previous step's tokens, so the host prepares step k+1 while the GPU runs step k. Step k+1
+reads its run-ahead inputs from the ids step k left on the device; its host history gets
+them when step k resolves, before step k+1 samples (penalties and seeded draws see them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,10 +29,19 @@ from stage_worker.links import DataPlaneAddress, DataPlaneLinks
 from stage_worker.plan import SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 from stage_worker.step_input import SeqChunk
+from stage_worker.step_sampling import StepSample
 
 
 class ActivationMismatchError(ValueError):
     """Upstream sent activations that do not fit the step's plan (shape or dtype)."""
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """A last stage's step whose sampling is queued on the device, tokens not yet read."""
+
+    step_id: int
+    sample: StepSample | None  # None: the step sampled nothing
 
 
 class StageLeader:
@@ -38,6 +56,14 @@ class StageLeader:
         inbox = FeedbackInbox(self.feedback)
         self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s,
                                     on_feedback=inbox.attach)
+        self._pending: _Sampling | None = None  # `step_overlapped`: sampled, not resolved
+        self.steps_overlapped = 0  # steps queued on the GPU before the previous one resolved
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps run through `step_overlapped`: a one-stage pipeline, TP size 1."""
+        rank = self.rank
+        return rank.is_first and rank.is_last and rank.tp.size == 1
 
     def listen_upstream(self, router_host: str, token: bytes, epoch: int) -> str:
         """See `DataPlaneLinks.listen_upstream`."""
@@ -84,44 +110,91 @@ class StageLeader:
         on_device = self.feedback if rank.is_first and rank.is_last else None
         chunks, out = rank.step(plan, upstream, fed, on_device)
         if rank.is_last:
-            return self._sample(plan.step_id, chunks, out)
+            return self._resolve(self._start_sampling(plan.step_id, chunks, out))
         if out is None:  # nothing computed: the next stage still expects this step
             out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
         self.links.send(plan.step_id, [out])
         return self._outcome(plan.step_id)
 
-    def _run_ahead_inputs(self, plan: StagePlan) -> dict[int, int]:
+    def step_overlapped(self, plan: StagePlan, deliver: Callable[[StageOutcome], None],
+                        more_coming: Callable[[], bool]) -> None:
+        """`run_step` for a one-stage pipeline (`overlaps`), overlapping steps.
+
+        Queues `plan`'s forward pass, then resolves the step left pending by the previous
+        call (its outcome to `deliver`), then queues `plan`'s sampling. If `more_coming()`
+        says another plan is already queued, `plan`'s step is left pending for that call;
+        otherwise it is resolved and delivered now. Outcomes are delivered in step order;
+        an error raised here is `plan`'s (the pending step is delivered first).
+        """
+        pending, self._pending = self._pending, None
+        self.steps_overlapped += pending is not None
+        try:
+            self.rank.check(plan)
+            deferred = pending is not None and pending.sample is not None
+            fed = self._run_ahead_inputs(plan, None if pending is None else pending.step_id)
+            chunks, out = self.rank.step(plan, None, fed, self.feedback, deferred)
+        finally:
+            if pending is not None:
+                deliver(self._resolve(pending))
+        sampling = self._start_sampling(plan.step_id, chunks, out)
+        if more_coming():
+            self._pending = sampling
+        else:
+            deliver(self._resolve(sampling))
+
+    def flush(self, deliver: Callable[[StageOutcome], None]) -> None:
+        """Resolve and deliver the step `step_overlapped` left pending, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            deliver(self._resolve(pending))
+
+    def _run_ahead_inputs(self, plan: StagePlan, unresolved: int | None = None
+                          ) -> dict[int, int]:
         """seq_id -> token of every run-ahead input, where the stage keeps tokens: the last
         stage sampled it (the check made sure of the step); the first stage of several
-        waits for it from the feedback link."""
+        waits for it from the feedback link. Inputs sampled at step `unresolved` (whose
+        tokens are still on the device) are left out."""
         ahead = [(c.seq_id, c.input_from_step) for c in plan.cached_seqs
                  if c.input_from_step is not None]
         rank = self.rank
         if not ahead or not rank.held.keep_tokens:
             return {}
         if rank.is_last:
-            return {seq_id: rank.held.seqs[seq_id].output_ids[-1] for seq_id, _ in ahead}
+            seqs = rank.held.seqs
+            return {seq_id: seqs[seq_id].output_ids[-1] for seq_id, k in ahead
+                    if k != unresolved}
         return self.feedback.take(plan.step_id, ahead, self.step_timeout_s)
 
-    def _sample(self, step_id: int, chunks: list[SeqChunk],
-                scores: torch.Tensor | None) -> StageOutcome:
-        """Last stage: sample, wait once for the tokens' host copy, record them and send
-        them to the first stage (every step, sampling or not)."""
+    def _start_sampling(self, step_id: int, chunks: list[SeqChunk],
+                        scores: torch.Tensor | None) -> _Sampling:
+        """Last stage: queue the sampling of the step's scores (None: nothing computed);
+        a one-stage pipeline keeps the ids on the device for its run-ahead inputs."""
+        rank = self.rank
+        if scores is None:
+            if rank.is_first:
+                self.feedback.put(StepTokens(step_id, (), ()))
+            return _Sampling(step_id, None)
+        sample = rank.sample(chunks, scores)
+        rank.held.note_sampling(step_id, sample.seq_ids)
+        if rank.is_first:
+            self.feedback.put(StepTokens(step_id, sample.seq_ids, None, sample.token_ids))
+        return _Sampling(step_id, sample)
+
+    def _resolve(self, sampling: _Sampling) -> StageOutcome:
+        """Last stage: wait once for the tokens' host copy, record them and send them to
+        the first stage (every step, sampling or not)."""
         rank = self.rank
         seq_ids: tuple[int, ...] = ()
         token_ids: tuple[int, ...] = ()
         logprobs: tuple[SampledToken, ...] = ()
-        on_device = None
-        if scores is not None:
-            sample = rank.sample(chunks, scores)
-            ids, logprobs = sample.resolve()
-            seq_ids, token_ids, on_device = sample.seq_ids, tuple(ids), sample.token_ids
-            rank.held.record_sampled(step_id, seq_ids, token_ids)
-        if rank.is_first:  # one stage: its own run-ahead inputs, the ids kept on the device
-            self.feedback.put(StepTokens(step_id, seq_ids, token_ids, on_device))
-        else:
-            self.links.send_feedback(step_id, [host_tensor(seq_ids), host_tensor(token_ids)])
-        return self._outcome(step_id, seq_ids, token_ids, logprobs)
+        if sampling.sample is not None:
+            ids, logprobs = sampling.sample.resolve()
+            seq_ids, token_ids = sampling.sample.seq_ids, tuple(ids)
+            rank.held.record_sampled(sampling.step_id, seq_ids, token_ids)
+        if not rank.is_first:
+            self.links.send_feedback(sampling.step_id,
+                                     [host_tensor(seq_ids), host_tensor(token_ids)])
+        return self._outcome(sampling.step_id, seq_ids, token_ids, logprobs)
 
     def _outcome(self, step_id: int, seq_ids: tuple[int, ...] = (),
                  token_ids: tuple[int, ...] = (),
@@ -142,8 +215,9 @@ class StageLeader:
         return tensors[0]
 
     def reset(self) -> int:
-        """Drop all sequence state on every rank (the Run stream ended); returns how many
-        sequences this stage held."""
+        """Drop all sequence state on every rank (the Run stream ended), a pending step
+        included; returns how many sequences this stage held."""
+        self._pending = None
         tp_fanout.send_reset(self.rank.tp)
         self.feedback.clear()
         return self.rank.reset()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -46,10 +47,30 @@ class _SkippedStep(Exception):  # noqa: N818 (not an error: the run ended before
 
 @dataclass
 class _RunState:
-    """One Run stream: its generation, and whether its later steps must be skipped."""
+    """One Run stream: its generation, whether its later steps must be skipped, and the
+    outcome of every step queued and not yet answered (by step id)."""
 
     generation: int
     stopped: bool = False
+    outcomes: dict[int, asyncio.Future[StageOutcome]] = field(default_factory=dict)
+
+    def skip_unanswered(self) -> None:
+        """Loop thread: every step still waiting ends as skipped (the run is over)."""
+        for future in self.outcomes.values():
+            if not future.done():
+                future.set_exception(_SkippedStep())
+        self.outcomes.clear()
+
+
+def _settle(future: asyncio.Future[StageOutcome], outcome: StageOutcome | None,
+            error: BaseException | None) -> None:
+    """Loop thread: a step's outcome (or error) into its future, unless already settled."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(outcome)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -90,6 +111,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.draining = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-step")
         self._run_generation = 0
+        self._run: _RunState | None = None
+        # Plans handed to the worker, and plans it started: each written by one thread
+        # only, so their difference (the backlog) needs no lock.
+        self._submitted = 0
+        self._started = 0
 
     async def _call(self, fn: object, *args: object) -> object:
         loop = asyncio.get_running_loop()
@@ -138,11 +164,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         A reader task converts each plan as it arrives and queues its step on the worker
         thread at once, so the worker starts step k+1 while step k's result is serialised
-        and sent (the router sends plans ahead of results). After a failed step, the steps
-        queued behind it are skipped and the stream ends with that step's error.
+        and sent (the router sends plans ahead of results); a one-stage pipeline also
+        queues step k+1 on the GPU before waiting for step k (`StageLeader.step_overlapped`).
+        After a failed step, the steps queued behind it are skipped and the stream ends
+        with that step's error.
         """
         self._run_generation += 1
-        run = _RunState(self._run_generation)
+        if self._run is not None:  # superseded: its handler stops waiting
+            self._run.skip_unanswered()
+        run = self._run = _RunState(self._run_generation)
         await self._call(self.leader.reset)
         queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
         room = asyncio.Semaphore(MAX_QUEUED_STEPS)
@@ -162,6 +192,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         finally:
             run.stopped = True
             reader.cancel()
+            run.skip_unanswered()
             _discard(queued)
             if run.generation == self._run_generation:
                 dropped = await self._call(self.leader.reset)
@@ -180,7 +211,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 await room.acquire()
                 step_id = msg.step_id
                 plan = plan_from_proto(msg)
-                future = loop.run_in_executor(self._worker, self._run_step, run, plan)
+                future: asyncio.Future[StageOutcome] = loop.create_future()
+                run.outcomes[step_id] = future
+                self._submitted += 1
+                self._worker.submit(self._run_step, loop, run, plan)
                 queued.put_nowait((step_id, future))
         except grpc.RpcError as e:  # the client went away: the stream ends
             log.info("run stream: %s", e)
@@ -191,15 +225,39 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         finally:
             queued.put_nowait(None)
 
-    def _run_step(self, run: _RunState, plan: StagePlan) -> StageOutcome:
-        """Worker thread: `plan`'s step, unless its run stopped, failed or was superseded."""
+    def _run_step(self, loop: asyncio.AbstractEventLoop, run: _RunState,
+                  plan: StagePlan) -> None:
+        """Worker thread: `plan`'s step, unless its run stopped, failed or was superseded;
+        each outcome (this step's, or an earlier one left pending) settles its future."""
+        self._started += 1
+
+        def deliver(outcome: StageOutcome) -> None:
+            future = run.outcomes.pop(outcome.step_id, None)
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, outcome, None)
+
+        def fail(error: BaseException) -> None:
+            future = run.outcomes.pop(plan.step_id, None)
+            if future is not None:
+                loop.call_soon_threadsafe(_settle, future, None, error)
+
+        leader = self.leader
         if run.stopped or self._superseded(run):
-            raise _SkippedStep
+            if leader.overlaps:
+                with contextlib.suppress(Exception):  # the run is over either way
+                    leader.flush(deliver)
+            fail(_SkippedStep())
+            return
         try:
-            return self.leader.run_step(plan)
-        except BaseException:
+            if leader.overlaps:
+                leader.step_overlapped(plan, deliver, lambda: self._submitted > self._started)
+            else:
+                deliver(leader.run_step(plan))
+        except BaseException as e:
             run.stopped = True
-            raise
+            fail(e)
+            if not isinstance(e, Exception):
+                raise
 
     def _superseded(self, run: _RunState) -> bool:
         return run.generation != self._run_generation or self.draining

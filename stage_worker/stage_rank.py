@@ -48,8 +48,8 @@ class StageRank:
                    knows_samples=self.is_last)
 
     def step(self, plan: StagePlan, upstream: torch.Tensor | None,
-             fed: Mapping[int, int] | None = None, on_device: FeedbackStore | None = None
-             ) -> tuple[list[SeqChunk], torch.Tensor | None]:
+             fed: Mapping[int, int] | None = None, on_device: FeedbackStore | None = None,
+             deferred: bool = False) -> tuple[list[SeqChunk], torch.Tensor | None]:
         """Apply a checked plan and compute it: the same call on every TP rank.
 
         Frees, new sequences and diffs are applied, KV blocks copied, then the runner
@@ -58,11 +58,13 @@ class StageRank:
         token ids; other ranks get rank 0's activations through the TP group here).
         `fed`: the run-ahead inputs the leader resolved (seq_id -> token), appended to the
         histories. `on_device`: rank 0 of a one-stage pipeline, where the run-ahead inputs
-        are read from the sampled ids its earlier steps left on the device.
+        are read from the sampled ids its earlier steps left on the device; with `deferred`,
+        the ones missing from `fed` were sampled by a step not resolved yet (see
+        `HeldSeqs.apply`).
         Returns the step's chunks (batch order) and the runner's output (hidden states
         [T, H], or the last stage's scores), None when the plan computes nothing.
         """
-        step = self.held.apply(plan, fed)
+        step = self.held.apply(plan, fed, deferred)
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
         if not step.chunks:

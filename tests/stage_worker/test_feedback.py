@@ -69,10 +69,16 @@ def test_device_inputs_come_from_the_ids_kept_on_the_device() -> None:
     store = FeedbackStore()
     # The device copy stands for the truth; the host tuples deliberately disagree.
     store.put(StepTokens(2, (5, 6, 7), (0, 0, 0), torch.tensor([50, 60, 70])))
+    store.put(StepTokens(4, (9,), None, torch.tensor([90])))  # not on the host yet
     store.put(StepTokens(3, (8,), (80,)))  # came over a link: no device ids
     inputs = torch.tensor([1, 2, 3, 4, 5])
-    gather_device_inputs(inputs, [(4, 6, 2), (0, 7, 2), (2, 8, 3)], store)
-    assert inputs.tolist() == [70, 2, 3, 4, 60]
+    gather_device_inputs(inputs, [(4, 6, 2), (0, 7, 2), (3, 9, 4)], store)
+    assert inputs.tolist() == [70, 2, 3, 90, 60]
+    with pytest.raises(FeedbackMissingError, match="tokens sampled at step 3 are not on the "
+                                                   "device"):
+        gather_device_inputs(inputs, [(2, 8, 3)], store)
+    with pytest.raises(ValueError, match="step 5: tokens neither on the host nor on the device"):
+        StepTokens(5, (1,), None)
 
 
 def _leader(stage_index: int) -> StageLeader:

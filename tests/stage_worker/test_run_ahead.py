@@ -1,7 +1,7 @@
 """Run-ahead on the stages: the router's scheduler (run_ahead=True) drives 1, 2 and 3
 in-process stage servicers over the real data plane, so plans name "the token sampled at
 step k" as inputs (taken by the first stage from its own result, or from the last stage's
-feedback link). The same plans with those inputs written out as appended tokens, replayed
+feedback link; a single stage queues step k+1 before step k's tokens reach its host). The same plans with those inputs written out as appended tokens, replayed
 on fresh stage state, give exactly the same tokens and logprobs. A small KV pool makes the
 scheduler preempt, so re-prefilled sequences (penalties, seeded draws) are covered too."""
 
@@ -99,15 +99,19 @@ def test_run_ahead_gives_the_tokens_of_the_same_plans_written_out(checkpoint: Pa
     configs = stage_configs(checkpoint, num_stages, block_size=BLOCK, num_blocks=32,
                             max_num_batched_tokens=64, max_num_seqs=4, step_timeout_s=20.0)
 
+    overlapped: list[int] = []
+
     async def body() -> tuple[list[StepPlan], dict[int, StepOutcome], dict[int, StepOutcome],
                               list[str]]:
         stages = [await start_stage(c) for c in configs]
+        leader = stages[0].servicer.leader
         pipeline = Pipeline([s.address for s in stages])
         failures: list[str] = []
         pipeline.on_failure = failures.append
         try:
             await pipeline.start(10)
             plans, results = await _drive(pipeline, _scheduler(num_stages))
+            overlapped.append(leader.steps_overlapped)
             await pipeline.start(10)  # a new epoch and Run: the stages start empty
             replayed = await _replay(pipeline, [_written_out(p, results) for p in plans])
             return plans, results, replayed, failures
@@ -121,6 +125,8 @@ def test_run_ahead_gives_the_tokens_of_the_same_plans_written_out(checkpoint: Pa
     ahead = [s for p in plans for s in p.cached_seqs if s.input_from_step is not None]
     assert len(ahead) >= 10  # run-ahead was exercised, and so was preemption:
     assert any(p.preempted_seq_ids for p in plans)
+    if num_stages == 1:  # steps queued behind a pending one, run-ahead inputs read on device
+        assert overlapped[0] > 0
     assert sorted(replayed) == sorted(results) == [p.step_id for p in plans]
     for step_id, outcome in results.items():
         assert replayed[step_id].tokens == outcome.tokens, step_id

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -207,13 +207,16 @@ def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: 
     stream, and the steps queued behind it never run."""
     servicer = stage_servicer(StageConfig(checkpoint, model_impl="null"), TPGroup())
     ran: list[int] = []
-    run_step = servicer.leader.run_step
+    leader = servicer.leader
+    assert leader.overlaps  # one stage: steps go through step_overlapped
+    step_overlapped = leader.step_overlapped
 
-    def recording(plan: StagePlan) -> StageOutcome:
+    def recording(plan: StagePlan, deliver: Callable[[StageOutcome], None],
+                  more_coming: Callable[[], bool]) -> None:
         ran.append(plan.step_id)
-        return run_step(plan)
+        step_overlapped(plan, deliver, more_coming)
 
-    servicer.leader.run_step = recording  # type: ignore[method-assign]
+    leader.step_overlapped = recording  # type: ignore[method-assign]
 
     def decode(step: int, seq_id: int = 1) -> pb.StepPlan:
         return pb.StepPlan(step_id=step, cached_seqs=[pb.CachedSequence(
