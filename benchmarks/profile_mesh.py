@@ -9,7 +9,6 @@ call). Diagnostic, not a benchmark.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import shutil
 import subprocess
@@ -45,7 +44,7 @@ def main() -> None:
         sleeper = ["sleep", str(args.delay)]
         procs = [subprocess.Popen(" ".join(sleeper) + " && " + " ".join(c), shell=True)
                  for c in cmds]
-        print(asyncio.run(run(mesh.address, prompts, args.output_len)), flush=True)
+        print(run(mesh.address, prompts, args.output_len), flush=True)
         for p in procs:
             p.wait()
     for name in pids:

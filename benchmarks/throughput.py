@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import multiprocessing
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,15 @@ from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
 
-async def run(address: str, prompts: list[list[int]], output_len: int) -> dict[str, float]:
-    """Submit every prompt at once; output tok/s over the wall time, and per request the time
-    to its first token and the mean time per output token after it (TPOT), as the client
-    sees them (W2's per-token time is TPOT at one request)."""
-    async with RouterClient(address) as client:
+async def _client(address: str, prompts: list[list[int]], output_len: int,
+                  start: Callable[[], None], own_connection: bool
+                  ) -> tuple[float, float, list[tuple[int, float, float]]]:
+    """One client: warm up, wait for `start()`, then submit every prompt at once. Returns
+    (start time, end time, per request (tokens, TTFT, TPOT)); times are perf_counter
+    seconds, one clock for every process of the machine."""
+    async with RouterClient(address, own_connection=own_connection) as client:
         await client.complete(token_ids=prompts[0][:8], max_tokens=4, ignore_eos=True)  # warm
+        start()
 
         async def one(prompt: list[int]) -> tuple[int, float, float]:
             n, first, last = 0, 0.0, 0.0
@@ -40,7 +45,38 @@ async def run(address: str, prompts: list[list[int]], output_len: int) -> dict[s
 
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - t0
+        return t0, time.perf_counter(), outs
+
+
+def _client_process(address: str, prompts: list[list[int]], output_len: int,
+                    barrier: Any, results: Any) -> None:
+    results.put(asyncio.run(_client(address, prompts, output_len, barrier.wait, True)))
+
+
+def run(address: str, prompts: list[list[int]], output_len: int,
+        clients: int = 1) -> dict[str, float]:
+    """Submit every prompt at once from `clients` client processes (1: this process), each
+    on its own connection (so the router's front processes share them); output tok/s over
+    the wall time from the first submission to the last token, and per request the time
+    to its first token and the mean time per output token after it (TPOT), as the clients
+    see them (W2's per-token time is TPOT at one request)."""
+    if clients == 1:
+        t0, t1, outs = asyncio.run(_client(address, prompts, output_len, lambda: None, False))
+        spans = [(t0, t1)]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        barrier, queue = ctx.Barrier(clients), ctx.Queue()
+        procs = [ctx.Process(target=_client_process,
+                             args=(address, prompts[i::clients], output_len, barrier, queue))
+                 for i in range(clients)]
+        for proc in procs:
+            proc.start()
+        got = [queue.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+        spans = [(t0, t1) for t0, t1, _ in got]
+        outs = [o for _, _, part in got for o in part]
+    wall = max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)
     out_tokens = sum(n for n, _, _ in outs)
     in_tokens = sum(len(p) for p in prompts)
     ttft = [t for _, t, _ in outs]
@@ -64,6 +100,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--extra", default="", help="more `stagemesh serve` flags")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="client processes sharing the requests, each on its own connection "
+                         "(use with --extra '--api-processes N')")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/throughput-{dt.date.today()}.json"))
     args = ap.parse_args()
@@ -80,8 +119,8 @@ def main() -> None:
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  *args.extra.split()]
         with Mesh(*flags, timeout=900) as mesh:
-            rows.append({"stages": p, **asyncio.run(run(mesh.address, prompts,
-                                                          args.output_len))})
+            rows.append({"stages": p, **run(mesh.address, prompts, args.output_len,
+                                            args.clients)})
         print(rows[-1], flush=True)
     for r in rows:
         r["vs_1_stage"] = r["output_tok_s"] / rows[0]["output_tok_s"]
