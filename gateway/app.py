@@ -19,13 +19,13 @@ import grpc
 
 from foundation.api_keys import ApiKeys
 from gateway.config import GatewayConfig
+from gateway.connections import RouterConnections
 from gateway.errors import APIError, from_rpc_error
 from gateway.generate import GenerateHandler
 from gateway.http import ClientDisconnectedError, Exchange, Receive, Send
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.params import Endpoint
 from gateway.served import ModelView, ModelViewLoader
-from router.client import RouterClient
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -42,9 +42,9 @@ _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"
 @dataclass(frozen=True)
 class Running:
     """What lives on the server's event loop, made at lifespan startup (a gRPC aio channel
-    belongs to the loop that made it)."""
+    belongs to the loop that made it). Closed at lifespan shutdown."""
 
-    client: RouterClient
+    router: RouterConnections
     served: ModelViewLoader
     generate: GenerateHandler
 
@@ -76,18 +76,14 @@ class GatewayApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                key = self.cfg.router_api_key
-                tls = self.cfg.router_tls
-                client = RouterClient(
-                    self.cfg.router, tls.credentials() if tls else None,
-                    metadata=[("authorization", f"Bearer {key}")] if key else [])
-                served = ModelViewLoader(client, self.cfg)
-                self._running = Running(client, served,
-                                        GenerateHandler(self.cfg, client, served, self.metrics))
+                router = RouterConnections.open(self.cfg)
+                served = ModelViewLoader(router.first, self.cfg)
+                self._running = Running(router, served,
+                                        GenerateHandler(self.cfg, router, served, self.metrics))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._running is not None:
-                    await self._running.client.close()
+                    await self._running.router.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -151,7 +147,7 @@ class GatewayApp:
     async def _ready(self, ex: Exchange) -> None:
         """Ready when the router's `readiness` health service says SERVING."""
         try:
-            ready = await self.running.client.health("readiness", timeout=PROBE_TIMEOUT_S)
+            ready = await self.running.router.first.health("readiness", timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             raise APIError(503, f"router at {self.cfg.router} is not reachable: "
                                 f"{e.code().name}", code="router_unreachable") from e
@@ -161,7 +157,7 @@ class GatewayApp:
 
     async def _metrics(self, ex: Exchange) -> None:
         try:
-            stats = await self.running.client.stats(timeout=PROBE_TIMEOUT_S)
+            stats = await self.running.router.first.stats(timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError:
             stats = None
         await ex.respond(200, self.metrics.render(stats).encode(), CONTENT_TYPE)

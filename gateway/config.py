@@ -29,6 +29,10 @@ class GatewayConfig:
             no deadline.
         max_prompts: most prompts in one /v1/completions request (each is a router call).
         drain_timeout_s: on SIGTERM, how long open responses may take to finish.
+        router_connections: clients to the router, each on a TCP connection of its own;
+            each request's router calls go on one of them (`gateway/connections.py`). Set it
+            to the router's `--api-processes`: the kernel spreads connections, not calls,
+            over the router's front processes.
     """
 
     router: str = "127.0.0.1:50051"
@@ -43,11 +47,14 @@ class GatewayConfig:
     request_timeout_s: float | None = None
     max_prompts: int = 64
     drain_timeout_s: float = 30.0
+    router_connections: int = 1
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.router_connections < 1:
+            raise ValueError(f"router_connections must be >= 1, got {self.router_connections}")
         if any(not k or k != k.strip() for k in self.api_keys):
             raise ValueError("API keys must be non-empty and carry no surrounding whitespace")

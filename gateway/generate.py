@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 
 from gateway.config import GatewayConfig
+from gateway.connections import RouterConnections
 from gateway.convert import ResponseBuilder, router_requests
 from gateway.errors import APIError, from_rpc_error
 from gateway.http import Exchange
@@ -23,7 +26,6 @@ from gateway.params import Endpoint, GenerationSpec, parse_chat, parse_completio
 from gateway.served import ModelViewLoader
 from gateway.streams import RouterStreams
 from protos.stagemesh.v1 import inference_pb2 as pb
-from router.client import RouterClient
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -44,10 +46,10 @@ def _as_api_error(exc: Exception, spec: GenerationSpec) -> APIError:
 
 
 class GenerateHandler:
-    def __init__(self, cfg: GatewayConfig, client: RouterClient, served: ModelViewLoader,
+    def __init__(self, cfg: GatewayConfig, router: RouterConnections, served: ModelViewLoader,
                  metrics: GatewayMetrics) -> None:
         self.cfg = cfg
-        self.client = client
+        self.router = router
         self.served = served
         self.metrics = metrics
 
@@ -75,6 +77,14 @@ class GenerateHandler:
         self.metrics.tokens.inc((("kind", "prompt"),), u["prompt_tokens"])
         self.metrics.tokens.inc((("kind", "completion"),), u["completion_tokens"])
 
+    @asynccontextmanager
+    async def _router_streams(self, requests: list[pb.GenerateRequest]
+                              ) -> AsyncIterator[RouterStreams]:
+        """The request's router calls, all on the connection `RouterConnections` chooses."""
+        with self.router.lease(len(requests)) as client:
+            async with RouterStreams(client, requests, self.cfg.request_timeout_s) as streams:
+                yield streams
+
     def _first_token(self, builder: ResponseBuilder, route: str, started: float) -> None:
         if not builder.choices:
             self.metrics.ttft.observe(time.monotonic() - started, (("route", route),))
@@ -82,7 +92,7 @@ class GenerateHandler:
     async def _collect(self, ex: Exchange, spec: GenerationSpec,
                        requests: list[pb.GenerateRequest], builder: ResponseBuilder,
                        route: str, started: float) -> None:
-        async with RouterStreams(self.client, requests, self.cfg.request_timeout_s) as streams:
+        async with self._router_streams(requests) as streams:
             try:
                 async for prompt, chunk in streams:
                     self._first_token(builder, route, started)
@@ -94,7 +104,7 @@ class GenerateHandler:
     async def _stream(self, ex: Exchange, spec: GenerationSpec,
                       requests: list[pb.GenerateRequest], builder: ResponseBuilder,
                       route: str, started: float) -> None:
-        async with RouterStreams(self.client, requests, self.cfg.request_timeout_s) as streams:
+        async with self._router_streams(requests) as streams:
             try:
                 await streams.prime()
             except Exception as e:

@@ -52,7 +52,8 @@ async def serve_gateway(cfg: GatewayConfig, ready_file: Path | None = None) -> i
         await asyncio.sleep(0.02)
     address = _bound_address(server)
     keys = f"{len(cfg.api_keys)} API key(s)" if cfg.api_keys else "no API keys"
-    log.info("gateway listening on http://%s (router %s, %s)", address, cfg.router, keys)
+    log.info("gateway listening on http://%s (router %s, %d connection(s), %s)", address,
+             cfg.router, cfg.router_connections, keys)
     if ready_file is not None:
         _write_ready(ready_file, address)
     await serving

@@ -1,4 +1,4 @@
-"""`stagemesh stage`, `stagemesh router` and `stagemesh serve`: argument parsing only.
+"""`stagemesh stage`, `router`, `serve` and `gateway`: argument parsing only.
 
 Each service reads its addresses from flags or, where noted, the environment, so the same
 image runs anywhere (Kubernetes sets the environment).
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
     from foundation.tls import ClientTls, ServerTls
+    from gateway.config import GatewayConfig
     from router.config import RouterConfig
 
 SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -332,19 +333,32 @@ def _add_gateway(commands: SubParsers) -> None:
                         "(default: the model store's copy of the served model)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="deadline in seconds for each router call (beyond: 504)")
+    p.add_argument("--router-connections", type=_at_least_one, default=1, metavar="N",
+                   help="TCP connections to the router, each request on the one with the "
+                        "fewest calls in flight (ties in turn); set it to the router's "
+                        "--api-processes, since the kernel spreads connections, not calls, "
+                        "over its front processes (default: %(default)s; `stagemesh serve` "
+                        "passes its --api-processes)")
     p.set_defaults(handler=_gateway)
 
 
-def _gateway(args: argparse.Namespace) -> int:
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """The `stagemesh gateway` flags as a config; a bad value or an unreadable file (keys,
+    TLS) exits with one line."""
     from gateway.config import GatewayConfig
-    from gateway.server import run_gateway
 
     try:
-        cfg = GatewayConfig(
+        return GatewayConfig(
             router=args.router, host=args.host, port=args.port, api_keys=api_keys(args),
             router_api_key=args.router_api_key, router_tls=client_tls_of(args, "router"),
             max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
-            tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout)
+            tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout,
+            router_connections=args.router_connections)
     except (OSError, ValueError) as e:
         raise SystemExit(f"stagemesh gateway: {e}") from None
-    return run_gateway(cfg, args.ready_file)
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.server import run_gateway
+
+    return run_gateway(gateway_config(args), args.ready_file)

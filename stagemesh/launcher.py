@@ -127,7 +127,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
     if args.gateway_port:
         gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
                    "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway"),
-                   "--tokenizer", model]
+                   "--tokenizer", model, "--router-connections", str(args.api_processes)]
         gateway_env = {**key_env, "STAGEMESH_ROUTER_API_KEY": keys[0]} if keys else {}
         children.append(Child("gateway", gateway, workdir / "gateway", restart=True,
                               env=gateway_env))

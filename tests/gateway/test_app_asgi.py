@@ -15,6 +15,7 @@ from grpc.aio import AioRpcError, Metadata
 
 from gateway.app import GatewayApp, Running
 from gateway.config import GatewayConfig
+from gateway.connections import RouterConnections
 from gateway.generate import GenerateHandler
 from gateway.served import ModelViewLoader
 from protos.stagemesh.v1 import inference_pb2 as pb
@@ -51,13 +52,16 @@ class FakeRouter:
             raise
 
 
-def _app(fake: FakeRouter, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> GatewayApp:
+def _app(fake: FakeRouter, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+         *more: FakeRouter) -> GatewayApp:
+    """The app over `fake` (and `more`: one fake per router connection)."""
     monkeypatch.setenv("STAGEMESH_HOME", str(tmp_path))  # no tokenizer in this store
-    cfg = GatewayConfig()
+    cfg = GatewayConfig(router_connections=1 + len(more))
     app = GatewayApp(cfg)
-    client: Any = fake  # duck-types the RouterClient methods the gateway calls
-    served = ModelViewLoader(client, cfg)
-    app._running = Running(client, served, GenerateHandler(cfg, client, served, app.metrics))
+    clients: list[Any] = [fake, *more]  # duck-type the RouterClient methods the gateway calls
+    router = RouterConnections(clients)
+    served = ModelViewLoader(router.first, cfg)
+    app._running = Running(router, served, GenerateHandler(cfg, router, served, app.metrics))
     return app
 
 
