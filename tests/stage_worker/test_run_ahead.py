@@ -1,8 +1,9 @@
 """Run-ahead on the stages: the router's scheduler (run_ahead=True) drives 1, 2 and 3
 in-process stage servicers over the real data plane, so plans name "the token sampled at
 step k" as inputs (taken by the first stage from its own result, or from the last stage's
-feedback link; a single stage queues step k+1 before step k's tokens reach its host). The same plans with those inputs written out as appended tokens, replayed
-on fresh stage state, give exactly the same tokens and logprobs. A small KV pool makes the
+feedback link; a single stage queues step k+1 before step k's tokens reach its host).
+The same plans with those inputs written out as appended tokens, replayed on fresh stage
+state, give exactly the same tokens and logprobs. A small KV pool makes the
 scheduler preempt, so re-prefilled sequences (penalties, seeded draws) are covered too."""
 
 from __future__ import annotations
