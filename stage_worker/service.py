@@ -166,13 +166,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         thread at once, so the worker starts step k+1 while step k's result is serialised
         and sent (the router sends plans ahead of results); a one-stage pipeline also
         queues step k+1 on the GPU before waiting for step k (`StageLeader.step_overlapped`).
-        After a failed step, the steps queued behind it are skipped and the stream ends
-        with that step's error.
+        Only the last stage answers every step (its sampled tokens); the others answer only
+        a step that failed. After a failed step, the steps queued behind it are skipped and
+        the stream ends with that step's error.
         """
         self._run_generation += 1
         if self._run is not None:  # superseded: its handler stops waiting
             self._run.skip_unanswered()
         run = self._run = _RunState(self._run_generation)
+        answers = self.leader.rank.is_last  # others answer only a failed step
         await self._call(self.leader.reset)
         queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
         room = asyncio.Semaphore(MAX_QUEUED_STEPS)
@@ -188,7 +190,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     yield self._failed(step_id, e)
                     return
                 room.release()
-                yield outcome_to_proto(outcome)
+                if answers:
+                    yield outcome_to_proto(outcome)
         finally:
             run.stopped = True
             reader.cancel()
