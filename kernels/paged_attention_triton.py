@@ -2,8 +2,11 @@
 
 Same contract as `kernels.paged_attention` (shapes and causal rule in its docstring); the
 torch reference there is the oracle and the CPU path. Flash-attention style: each program
-owns a tile of query rows of one sequence and one KV head, walks the sequence's KV blocks
-through its block table once, and keeps a running max / sum (online softmax, fp32).
+owns a tile of query rows of one sequence and one KV head, walks the sequence's keys
+through its block table once, `BLOCK_N` keys (several KV blocks) at a time, and keeps a
+running max / sum (online softmax, fp32). Tiles are 16 rows when every sequence of the
+batch has at most a few query rows (decodes), 64 when a prefill chunk has more: small
+tiles keep decodes from computing padding rows, large ones keep the tensor cores busy.
 
 Grouped-query attention is folded into the tile: row r of a tile is query token r // G and
 query head (kv_head * G + r % G), G = Hq / Hkv, so the G query heads that share a KV head
@@ -22,18 +25,20 @@ from kernels.attention_metadata import PagedAttentionMetadata
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # rows (query token x head-in-group) per program; tl.dot needs >= 16
+BLOCK_M_PREFILL = 64  # rows per program once some sequence has that many (prefill chunks)
+BLOCK_N = 64  # keys per iteration: BLOCK_N / KV_BLOCK KV blocks
 
 
 @triton.jit
 def _attend_block(i, q, q_pos, kv_end, m_i, l_i, acc, K, V, table, kv_head, scale,
                   stride_kn, stride_kb, stride_kh, offs_d, d_ok,
-                  KV_BLOCK: tl.constexpr, IEEE: tl.constexpr):
-    """One KV block (the i-th of the sequence's table) folded into the online softmax."""
-    start = i * KV_BLOCK
-    block = tl.load(table + i, mask=start < kv_end, other=0).to(tl.int64)
-    key_pos = start + tl.arange(0, KV_BLOCK)
+                  KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Keys [i * BLOCK_N, (i + 1) * BLOCK_N) of the sequence, read through its block table,
+    folded into the online softmax."""
+    key_pos = i * BLOCK_N + tl.arange(0, BLOCK_N)
     key_ok = key_pos < kv_end  # kv_end <= seq_len; later keys are causally hidden anyway
-    kv_off = (block * stride_kn + tl.arange(0, KV_BLOCK)[:, None] * stride_kb
+    block = tl.load(table + key_pos // KV_BLOCK, mask=key_ok, other=0).to(tl.int64)
+    kv_off = (block[:, None] * stride_kn + (key_pos % KV_BLOCK)[:, None] * stride_kb
               + kv_head * stride_kh + offs_d[None, :])
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
@@ -62,8 +67,8 @@ def _paged_attention_kernel(
     scale,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, DYNAMIC: tl.constexpr,
-    MAX_KV_BLOCKS: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -90,19 +95,21 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     last_q = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, n_q * GROUP - 1) // GROUP
     kv_end = tl.minimum(seq_len, seq_len - n_q + last_q + 1)  # keys any row here can see
-    # Compiled: loop over this sequence's blocks only. Triton's interpreter cannot take a loop
+    # Compiled: loop over this sequence's keys only. Triton's interpreter cannot take a loop
     # bound from a computed value, so there the loop runs to the batch's longest sequence and
-    # the blocks past `kv_end` are masked out (no loads, no effect on the softmax).
+    # the keys past `kv_end` are masked out (no loads, no effect on the softmax).
     if DYNAMIC:
-        for i in range(0, tl.cdiv(kv_end, KV_BLOCK)):
+        for i in range(0, tl.cdiv(kv_end, BLOCK_N)):
             m_i, l_i, acc = _attend_block(
                 i, q, q_pos, kv_end, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
-                kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, IEEE)
+                kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK,
+                BLOCK_N, IEEE)
     else:
-        for i in range(0, MAX_KV_BLOCKS):
+        for i in range(0, MAX_KV_TILES):
             m_i, l_i, acc = _attend_block(
                 i, q, q_pos, kv_end, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
-                kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, IEEE)
+                kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK,
+                BLOCK_N, IEEE)
     out = acc / l_i[:, None]
     o_ptr = O + (q0 + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -121,7 +128,10 @@ def paged_attention_triton(
     group = num_heads // kv_heads
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dimension must be contiguous"
     out = torch.empty_like(q)
-    tiles = triton.cdiv(meta.max_query_len * group, BLOCK_M)
+    rows = meta.max_query_len * group
+    block_m = BLOCK_M_PREFILL if rows >= BLOCK_M_PREFILL else BLOCK_M
+    block_n = max(BLOCK_N, kv_block)
+    tiles = triton.cdiv(rows, block_m)
     grid = (meta.num_seqs, kv_heads, tiles)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start,
@@ -129,9 +139,9 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         GROUP=group, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DYNAMIC=not INTERPRETED,
         # Only the interpreter reads it; compiled, a constant avoids a compile per length.
-        MAX_KV_BLOCKS=triton.cdiv(meta.max_seq_len, kv_block) if INTERPRETED else 0,
+        MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if INTERPRETED else 0,
     )
     return out

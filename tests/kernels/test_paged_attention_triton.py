@@ -16,7 +16,8 @@ from kernels.paged_attention import paged_attention_ref
 from tests.kernels.paged_cases import MIXED, mixed_case
 
 REPO = Path(__file__).resolve().parents[2]
-LONG = ((40, 1), (0, 37), (20, 20), (3, 1), (64, 1))  # several KV blocks and query tiles
+LONG = ((40, 1), (0, 37), (20, 20), (3, 1), (64, 1), (70, 30))  # several KV blocks, key
+# tiles and query tiles (small and prefill-sized)
 # (Hq, Hkv, D): SmolLM2-135M, llama3-8b, MHA with a small head, one KV head.
 HEADS = ((9, 3, 64), (32, 8, 128), (4, 4, 16), (6, 1, 32))
 
