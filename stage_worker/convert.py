@@ -5,12 +5,16 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
+from itertools import islice, repeat
 
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
-from stage_worker.plan import StageCachedSeq, StageNewSeq, StageOutcome, StagePlan
+from stage_worker.plan import PlanError, StageCachedSeq, StageNewSeq, StageOutcome, StagePlan
 
 _new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
+_SAMPLE, _RUN_AHEAD = 1, 2  # CachedBatch.flags bits
+_SAMPLES = (False, True, False, True)  # the sample bit of each valid flags value
+_ITEM_NAMES = {"q": "int64", "i": "int32"}  # CachedBatch's item types, by array typecode
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -24,23 +28,125 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
+    """The stage's plan of `msg`.
+
+    Raises:
+        PlanError: a malformed cached batch (see `cached_from_proto`).
+    """
     new = tuple(
         StageNewSeq(s.seq_id, tuple(s.token_ids), s.prompt_len, tuple(s.block_ids), s.num_computed,
                     s.num_new, s.sample,
                     sampling_from_proto(s.sampling) if s.HasField("sampling") else None)
         for s in msg.new_seqs
     )
-    return StagePlan(msg.step_id, new, tuple(map(_cached_from_proto, msg.cached_seqs)),
+    return StagePlan(msg.step_id, new, cached_from_proto(msg.step_id, msg.cached_batch),
                      tuple(msg.free_seq_ids), tuple((c.src, c.dst) for c in msg.block_copies))
 
 
-def _cached_from_proto(s: pb.CachedSequence) -> StageCachedSeq:
-    """The hot path of the conversion (every running sequence, every step)."""
-    blocks, tokens = s.new_block_ids, s.append_token_ids
-    return _new_tuple(StageCachedSeq, (
-        s.seq_id, tuple(blocks) if blocks else (), s.num_computed, s.num_new,
-        tuple(tokens) if len(tokens) != 1 else (tokens[0],), s.sample,
-        s.input_from_step if s.HasField("input_from_step") else None))
+def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq, ...]:
+    """The packed columns of `batch` (layout in stage.proto) as one StageCachedSeq per
+    sequence, in batch order. The hot path of the conversion (every running sequence, every
+    step): each column is unpacked in C, and the tuples are zipped from the columns.
+
+    Raises:
+        PlanError: a column that is not whole items, or whose length disagrees with the
+            number of sequences (or, for the flat ids, with the sum of their counts); a flag
+            bit that is not defined.
+    """
+    seq_ids = _unpack(batch.seq_ids, "q", step, "seq_ids")
+    n = len(seq_ids)
+    computed = _per_seq(batch.num_computed, "i", n, step, "num_computed")
+    new = _per_seq(batch.num_new, "i", n, step, "num_new")
+    flags = batch.flags  # uint8: bytes are their own array
+    if len(flags) != n:
+        raise PlanError(f"step {step}: cached_batch.flags holds {len(flags)} uint8s for {n} "
+                        "sequences (seq_ids)")
+    blocks = _runs(_per_seq(batch.new_block_counts, "i", n, step, "new_block_counts"),
+                   _unpack(batch.new_block_ids, "i", step, "new_block_ids"), step,
+                   "new_block")
+    tokens = _runs(_per_seq(batch.append_token_counts, "i", n, step, "append_token_counts"),
+                   _unpack(batch.append_token_ids, "q", step, "append_token_ids"), step,
+                   "append_token")
+    from_step = _from_steps(flags, _unpack(batch.input_from_step, "q", step, "input_from_step"),
+                            step)
+    columns = zip(seq_ids, blocks, computed, new, tokens, map(_SAMPLES.__getitem__, flags),
+                  from_step, strict=True)
+    return tuple(map(_new_tuple, repeat(StageCachedSeq), columns))
+
+
+def _unpack(data: bytes, typecode: str, step: int, field: str) -> array[int]:
+    """Little-endian items of `typecode` from one CachedBatch column.
+
+    Raises:
+        PlanError: `data` is not a whole number of items.
+    """
+    values = array(typecode)
+    if len(data) % values.itemsize:
+        raise PlanError(f"step {step}: cached_batch.{field} holds {len(data)} bytes, not "
+                        f"whole {_ITEM_NAMES[typecode]}s ({values.itemsize} bytes each)")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
+def _per_seq(data: bytes, typecode: str, n: int, step: int, field: str) -> array[int]:
+    """A column of one item per sequence.
+
+    Raises:
+        PlanError: not whole items, or not `n` of them.
+    """
+    values = _unpack(data, typecode, step, field)
+    if len(values) != n:
+        raise PlanError(f"step {step}: cached_batch.{field} holds {len(values)} "
+                        f"{_ITEM_NAMES[typecode]}s for {n} sequences (seq_ids)")
+    return values
+
+
+def _runs(counts: array[int], flat: array[int], step: int,
+          name: str) -> Sequence[tuple[int, ...]]:
+    """`flat` cut into consecutive runs of `counts[i]` ids, one per sequence.
+
+    Raises:
+        PlanError: a negative count, or counts that do not sum to the length of `flat`.
+    """
+    if counts and min(counts) < 0:
+        raise PlanError(f"step {step}: cached_batch.{name}_counts holds a negative count "
+                        f"({min(counts)})")
+    total = sum(counts)
+    if total != len(flat):
+        raise PlanError(f"step {step}: cached_batch.{name}_counts sum to {total}, but "
+                        f"{name}_ids holds {len(flat)}")
+    if not flat:  # every count is 0 (a middle stage's tokens, most steps' blocks)
+        return [()] * len(counts)
+    if total == len(counts) and 0 not in counts:  # one id each (a decode's input token)
+        return list(zip(flat))
+    ids = iter(flat)
+    one = ids.__next__
+    return [() if not c else (one(),) if c == 1 else tuple(islice(ids, c)) for c in counts]
+
+
+def _from_steps(flags: bytes, steps: array[int], step: int) -> Sequence[int | None]:
+    """Each sequence's run-ahead step: the next of `steps` where the run-ahead bit is set,
+    else None.
+
+    Raises:
+        PlanError: a flag bit other than sample and run-ahead, or a run-ahead bit count that
+            differs from the number of `steps`.
+    """
+    if flags and max(flags) > _SAMPLE | _RUN_AHEAD:
+        raise PlanError(f"step {step}: cached_batch.flags holds {max(flags):#x}; only bits "
+                        f"{_SAMPLE:#x} (sample) and {_RUN_AHEAD:#x} (run-ahead) are defined")
+    num_ahead = flags.count(_RUN_AHEAD) + flags.count(_RUN_AHEAD | _SAMPLE)
+    if num_ahead != len(steps):
+        raise PlanError(f"step {step}: cached_batch.flags marks {num_ahead} sequences "
+                        f"run-ahead, but input_from_step holds {len(steps)} steps")
+    if not steps:
+        return [None] * len(flags)
+    if len(steps) == len(flags):  # every sequence run-ahead (decodes, the usual step)
+        return steps
+    next_step = iter(steps).__next__  # the counts agree: never exhausted
+    return [next_step() if f & _RUN_AHEAD else None for f in flags]
 
 
 def outcome_to_proto(outcome: StageOutcome) -> pb.StepResult:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Sequence
+from itertools import chain
 
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
 from router.pipeline.outcome import StepOutcome
 from router.pipeline.shape import PipelineError, StageInfo
-from router.scheduler import StepPlan
+from router.scheduler import CachedSeq, StepPlan
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -54,17 +56,47 @@ def _plan_to_proto(plan: StepPlan, with_tokens: bool) -> pb.StepPlan:
         )
         for s in plan.new_seqs
     ]
-    cached = [
-        pb.CachedSequence(seq_id=s.seq_id, new_block_ids=s.new_block_ids,
-                          num_computed=s.num_computed_tokens, num_new=s.num_new_tokens,
-                          append_token_ids=s.new_token_ids if with_tokens else (),
-                          sample=s.sample,
-                          input_from_step=s.input_from_step if with_tokens else None)
-        for s in plan.cached_seqs
-    ]
     copies = [pb.BlockCopy(src=c.src_block_id, dst=c.dst_block_id) for c in plan.block_copies]
-    return pb.StepPlan(step_id=plan.step_id, new_seqs=new, cached_seqs=cached,
+    return pb.StepPlan(step_id=plan.step_id, new_seqs=new,
+                       cached_batch=cached_batch_to_proto(plan.cached_seqs, with_tokens),
                        free_seq_ids=plan.freed_seq_ids, block_copies=copies)
+
+
+def cached_batch_to_proto(cached: Sequence[CachedSeq], with_tokens: bool) -> pb.CachedBatch:
+    """The diffs of a step as packed columns (the layout is `CachedBatch`'s, in stage.proto).
+    Without `with_tokens` (a middle stage) no appended tokens and no run-ahead steps travel.
+
+    Raises:
+        OverflowError: a count, position or block id beyond int32.
+    """
+    if not cached:
+        return pb.CachedBatch()
+    # One transposition in C gives the columns; array() packs each without a Python loop.
+    seq_ids, blocks, computed, new, tokens, from_step, samples = zip(*cached, strict=True)
+    if with_tokens and from_step.count(None) != len(from_step):
+        flags = bytes([sample + (0 if k is None else 2)
+                       for sample, k in zip(samples, from_step, strict=True)])
+        ahead = _le(array("q", [k for k in from_step if k is not None]))
+    else:
+        flags, ahead = bytes(samples), b""
+    if with_tokens:
+        token_counts = _le(array("i", map(len, tokens)))
+        token_ids = _le(array("q", chain.from_iterable(tokens)))
+    else:
+        token_counts, token_ids = bytes(4 * len(cached)), b""
+    return pb.CachedBatch(
+        seq_ids=_le(array("q", seq_ids)), num_computed=_le(array("i", computed)),
+        num_new=_le(array("i", new)), flags=flags, input_from_step=ahead,
+        new_block_counts=_le(array("i", map(len, blocks))),
+        new_block_ids=_le(array("i", chain.from_iterable(blocks))),
+        append_token_counts=token_counts, append_token_ids=token_ids)
+
+
+def _le(values: array[int]) -> bytes:
+    """`values` as little-endian bytes (the wire's byte order)."""
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tobytes()
 
 
 def outcome_from_result(result: pb.StepResult) -> StepOutcome:

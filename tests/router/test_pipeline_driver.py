@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from array import array
 from dataclasses import replace
 from pathlib import Path
@@ -36,26 +37,43 @@ def test_each_stage_gets_what_it_reads() -> None:
                          sampling=SamplingParams(temperature=0.0, seed=3), block_ids=(0,),
                          num_computed_tokens=0, num_new_tokens=3, sample=True),),
         cached_seqs=(CachedSeq(2, (4,), 16, 1, (9,), None, True),
-                     CachedSeq(4, (), 20, 1, (), 5, True)),  # run-ahead: input from step 5
+                     CachedSeq(4, (), 20, 1, (), 5, True),  # run-ahead: input from step 5
+                     CachedSeq(1 << 41, (6, 8), 0, 12, (), None, False)),  # a prefill chunk
         finished_seq_ids=(3,))
     first, middle, last = plan_to_protos(plan, 3)
     for msg in (first, last):
         assert list(msg.new_seqs[0].token_ids) == [5, 6, 7]
-        assert list(msg.cached_seqs[0].append_token_ids) == [9]
         assert msg.new_seqs[0].sampling.seed == 3
-        assert not msg.cached_seqs[0].HasField("input_from_step")
-        assert msg.cached_seqs[1].input_from_step == 5
-        assert list(msg.cached_seqs[1].append_token_ids) == []
+        assert _columns(msg.cached_batch) == {
+            "seq_ids": [2, 4, 1 << 41], "num_computed": [16, 20, 0], "num_new": [1, 1, 12],
+            "flags": [1, 3, 0], "input_from_step": [5], "new_block_counts": [1, 0, 2],
+            "new_block_ids": [4, 6, 8], "append_token_counts": [1, 0, 0],
+            "append_token_ids": [9]}
     assert list(middle.new_seqs[0].token_ids) == [] and not middle.new_seqs[0].HasField(
         "sampling")
-    assert list(middle.cached_seqs[0].append_token_ids) == []
-    assert not middle.cached_seqs[1].HasField("input_from_step")
+    assert _columns(middle.cached_batch) == {  # no tokens, no run-ahead steps
+        "seq_ids": [2, 4, 1 << 41], "num_computed": [16, 20, 0], "num_new": [1, 1, 12],
+        "flags": [1, 1, 0], "input_from_step": [], "new_block_counts": [1, 0, 2],
+        "new_block_ids": [4, 6, 8], "append_token_counts": [0, 0, 0], "append_token_ids": []}
     for msg in (first, middle, last):  # what every stage needs
         assert msg.step_id == 7 and list(msg.free_seq_ids) == [3]
         assert list(msg.new_seqs[0].block_ids) == [0] and msg.new_seqs[0].prompt_len == 3
-        assert list(msg.cached_seqs[0].new_block_ids) == [4]
-        assert (msg.cached_seqs[0].num_computed, msg.cached_seqs[0].num_new) == (16, 1)
     assert plan_to_protos(plan, 1) == [first]
+
+
+def _columns(batch: pb.CachedBatch) -> dict[str, list[int]]:
+    """Each column of a CachedBatch unpacked (little-endian; the item types of stage.proto)."""
+    typecodes = {"seq_ids": "q", "num_computed": "i", "num_new": "i", "flags": "B",
+                 "input_from_step": "q", "new_block_counts": "i", "new_block_ids": "i",
+                 "append_token_counts": "i", "append_token_ids": "q"}
+    columns = {}
+    for name, typecode in typecodes.items():
+        values = array(typecode)
+        values.frombytes(getattr(batch, name))
+        if sys.byteorder != "little":
+            values.byteswap()
+        columns[name] = values.tolist()
+    return columns
 
 
 def _result(step_id: int, seq_ids: list[int], token_ids: list[int],

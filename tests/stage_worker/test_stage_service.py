@@ -17,6 +17,8 @@ import torch
 
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc
+from router.pipeline.convert import cached_batch_to_proto
+from router.scheduler import CachedSeq
 from stage_worker.config import StageConfig
 from stage_worker.main import stage_servicer
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
@@ -86,6 +88,14 @@ def prefill(seq_ids: list[int], prompts: list[list[int]],
         for i, p, t in zip(seq_ids, prompts, tables, strict=True)])
 
 
+def decodes(step: int, rows: list[tuple[int, int, int]]) -> pb.StepPlan:
+    """A step of decodes, one (seq_id, num_computed, input token) per row, as the router
+    packs it."""
+    cached = [CachedSeq(seq_id, (), num_computed, 1, (token,), None, True)
+              for seq_id, num_computed, token in rows]
+    return pb.StepPlan(step_id=step, cached_batch=cached_batch_to_proto(cached, True))
+
+
 def test_describe_and_greedy_tokens_match_the_offline_pipeline(checkpoint: Path) -> None:
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (5, 19)]
@@ -110,10 +120,8 @@ def test_describe_and_greedy_tokens_match_the_offline_pipeline(checkpoint: Path)
                 assert len(result.tokens) == 0  # nobody asked for logprobs
                 for row, (_, token) in enumerate(sampled(result)):
                     got[row].append(token)
-                plans.append(pb.StepPlan(step_id=step + 1, cached_seqs=[
-                    pb.CachedSequence(seq_id=10 + row, num_computed=len(p) + step, num_new=1,
-                                      append_token_ids=[got[row][-1]], sample=True)
-                    for row, p in enumerate(prompts)]))
+                plans.append(decodes(step + 1, [(10 + row, len(p) + step, got[row][-1])
+                                                for row, p in enumerate(prompts)]))
             assert result.num_sequences == 2 and result.kv_blocks_used == 9
             await call.done_writing()
             assert await call.read() is grpc.aio.EOF
@@ -167,11 +175,7 @@ def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
             info = await stub.Describe(pb.DescribeRequest())
             plans = [
                 prefill([158, 3], [[1, 2, 3], [4] * 40], [[0], [1, 2, 3]]),
-                pb.StepPlan(step_id=1, cached_seqs=[
-                    pb.CachedSequence(seq_id=158, num_computed=3, num_new=1,
-                                      append_token_ids=[158], sample=True),
-                    pb.CachedSequence(seq_id=3, num_computed=40, num_new=1,
-                                      append_token_ids=[3], sample=True)]),
+                decodes(1, [(158, 3, 158), (3, 40, 3)]),
             ]
             return info, await run_plans(stub, plans)
 
@@ -179,6 +183,27 @@ def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
     assert (info.model_impl, info.num_kv_blocks) == ("null", 65536)
     assert (info.max_num_batched_tokens, info.max_num_seqs) == (4096, 256)
     assert [sampled(r) for r in results] == [[(158, 158), (3, 3)], [(158, 159), (3, 4)]]
+
+
+def test_a_malformed_cached_batch_fails_its_step_naming_the_field(checkpoint: Path) -> None:
+    """A plan whose packed columns disagree is refused when it is converted: that step's
+    answer is a PlanError naming the column and the lengths, and the stream ends."""
+    cfg = StageConfig(checkpoint, model_impl="null")
+    bad = decodes(1, [(1, 3, 1), (2, 3, 2)])
+    bad.cached_batch.num_new = bad.cached_batch.num_new[:4]
+
+    async def body() -> tuple[list[pb.StepResult], pb.DescribeResponse]:
+        async with serving(cfg) as stub:
+            plans = [prefill([1, 2], [[1, 2, 3], [4, 5, 6]], [[0], [1]]), bad,
+                     decodes(2, [(1, 4, 1)])]
+            return await run_plans(stub, plans), await stub.Describe(pb.DescribeRequest())
+
+    results, after = asyncio.run(body())
+    assert [r.step_id for r in results] == [0, 1]
+    assert not results[0].error
+    assert results[1].error == ("stage 0: PlanError: step 1: cached_batch.num_new holds 1 "
+                                "int32s for 2 sequences (seq_ids)")
+    assert after.num_sequences == 0  # the failed stream dropped what it held
 
 
 def test_logprob_records_only_for_the_sequences_that_asked(checkpoint: Path) -> None:
@@ -219,8 +244,7 @@ def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: 
     leader.step_overlapped = recording  # type: ignore[method-assign]
 
     def decode(step: int, seq_id: int = 1) -> pb.StepPlan:
-        return pb.StepPlan(step_id=step, cached_seqs=[pb.CachedSequence(
-            seq_id=seq_id, num_computed=2 + step, num_new=1, append_token_ids=[5], sample=True)])
+        return decodes(step, [(seq_id, 2 + step, 5)])
 
     async def body() -> list[pb.StepResult]:
         server = grpc.aio.server()
