@@ -6,6 +6,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from itertools import islice, repeat
+from operator import truth
 
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
@@ -13,7 +14,7 @@ from stage_worker.plan import PlanError, StageCachedSeq, StageNewSeq, StageOutco
 
 _new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
 _SAMPLE, _RUN_AHEAD = 1, 2  # CachedBatch.flags bits
-_SAMPLES = (False, True, False, True)  # the sample bit of each valid flags value
+_SAMPLE_BIT_ONLY = bytes.maketrans(b"\x02\x03", b"\x00\x01")  # valid flags -> sample bit
 _ITEM_NAMES = {"q": "int64", "i": "int32"}  # CachedBatch's item types, by array typecode
 
 
@@ -69,8 +70,8 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
                    "append_token")
     from_step = _from_steps(flags, _unpack(batch.input_from_step, "q", step, "input_from_step"),
                             step)
-    columns = zip(seq_ids, blocks, computed, new, tokens, map(_SAMPLES.__getitem__, flags),
-                  from_step, strict=True)
+    samples = map(truth, flags.translate(_SAMPLE_BIT_ONLY))  # bools, in C
+    columns = zip(seq_ids, blocks, computed, new, tokens, samples, from_step, strict=True)
     return tuple(map(_new_tuple, repeat(StageCachedSeq), columns))
 
 
