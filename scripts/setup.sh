@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv (once) and installs stagemesh with the extras given as arguments.
-# Idempotent: re-running only reinstalls when pyproject.toml changed.
+# Idempotent: re-running only reinstalls when pyproject.toml or a .proto file changed (the
+# install generates the gRPC code).
 #   scripts/setup.sh dev,gguf
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 STAMP=".venv/.stagemesh-installed-$EXTRAS"
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] \
+        || [ -n "$(find protos -name '*.proto' -newer "$STAMP" 2>/dev/null)" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # torch first and pinned: the CPU build (a newer release or an unpinned resolve pulls a
     # multi-GB CUDA build). A machine with a CUDA torch already in the venv keeps it.

@@ -5,8 +5,9 @@ plane (each stage i > 0 listens, stage i-1 connects to it; with P > 1 stages the
 stage listens and the last connects for the feedback link that carries sampled ids back,
 the run-ahead inputs; a fresh token per link) and opens the Run streams. Plans go down
 every stream, each stage getting what it reads (`router.pipeline.convert`); the last stage
-answers every step with its sampled tokens, the others only a step that failed. Any broken stream, stage error or step past its
-timeout marks the pipeline down; `start()` again brings it back with a new epoch.
+answers every step with its sampled tokens, the others only a step that failed. Any broken
+stream, stage error or step past its timeout marks the pipeline down; `start()` again brings
+it back with a new epoch.
 """
 
 from __future__ import annotations
