@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rms_norm import rms_norm_ref
+from kernels.rms_norm import rms_norm
 from stage_worker.layers.weights import WeightSource, copy_checked
 
 
@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_ref(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
         copy_checked(self.weight, src[:], name)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from foundation.model_config import ModelConfig
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import silu_and_mul
 from stage_worker.forward_context import ForwardContext
 from stage_worker.layers.attention import PagedSelfAttention
 from stage_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,7 +29,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,83 @@
+"""The Triton RMSNorm and SiLU-and-mul kernels against a float64 oracle and the torch
+references: on CUDA (marker `gpu`), and on this machine through Triton's interpreter when
+triton is installed (it is a `gpu` extra, so CI without it skips that test)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.rms_norm import rms_norm, rms_norm_ref
+
+REPO = Path(__file__).resolve().parents[2]
+# (rows, hidden): one decode row, an odd batch, a prefill-sized block; SmolLM2's 576 (not a
+# power of two), llama3-8b's 4096, and a width below one warp's worth.
+NORM_SHAPES = ((1, 576), (7, 4096), (300, 576), (5, 100))
+# (rows, intermediate): SmolLM2's 1536, llama3-8b's 14336 (several column blocks), odd sizes.
+SILU_SHAPES = ((1, 1536), (9, 14336), (130, 1536), (3, 1000))
+# Per dtype: the largest allowed gap to the torch reference, elementwise, relative to the
+# output's scale (the sum's order differs; bf16 then may round one ulp apart).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, oracle: torch.Tensor, dtype: torch.dtype,
+           what: str) -> None:
+    tol = TOLERANCE[dtype] * max(1.0, oracle.abs().max().item())
+    gap = (got.double().cpu() - ref.double().cpu()).abs().max().item()
+    err = (got.double().cpu() - oracle).abs().max().item()
+    ref_err = (ref.double().cpu() - oracle).abs().max().item()
+    assert gap <= tol, f"{what}: {gap} from the reference (tolerance {tol})"
+    assert err <= ref_err + tol, f"{what}: {err} from float64, the reference {ref_err}"
+
+
+def check(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Both kernels, every shape and dtype, against the float64 oracle and the reference."""
+    from kernels.elementwise_triton import rms_norm_triton, silu_and_mul_triton
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        for rows, hidden in NORM_SHAPES:
+            x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+            w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+            x64, w64 = x.double(), w.double()
+            oracle = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+            got = rms_norm_triton(x.to(device), w.to(device), 1e-5)
+            assert got.dtype == dtype and got.shape == x.shape
+            _close(got, rms_norm_ref(x, w, 1e-5), oracle, dtype,
+                   f"rms_norm {dtype} {rows}x{hidden}")
+        for rows, inter in SILU_SHAPES:
+            gu = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+            g64, u64 = gu.double().chunk(2, dim=-1)
+            oracle = g64 * torch.sigmoid(g64) * u64
+            got = silu_and_mul_triton(gu.to(device))
+            assert got.dtype == dtype and got.shape == (rows, inter)
+            _close(got, silu_and_mul_ref(gu), oracle, dtype,
+                   f"silu_and_mul {dtype} {rows}x{inter}")
+
+
+def test_cpu_tensors_take_the_references() -> None:
+    x, w = torch.randn(3, 8), torch.rand(8)
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    gu = torch.randn(3, 16)
+    assert torch.equal(silu_and_mul(gu), silu_and_mul_ref(gu))
+
+
+@pytest.mark.gpu
+def test_kernels_on_cuda() -> None:
+    check("cuda", (torch.float32, torch.float16, torch.bfloat16))
+
+
+def test_kernels_in_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    code = ("import torch; from tests.kernels.test_elementwise_triton import check; "
+            "check('cpu', (torch.float32, torch.float16))")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
