@@ -38,6 +38,11 @@ PARTS = {"input_layernorm": "norms", "post_attention_layernorm": "norms",
          "down_proj": "down_proj"}
 
 
+# Triton kernels (attached to no profiler range) by part: the kernel's name contains it.
+TRITON_KERNELS = {"triton_attention": "paged_attention", "triton_norm": "_rms_norm_kernel",
+                  "triton_silu": "_silu_and_mul_kernel"}
+
+
 @dataclass(frozen=True)
 class Case:
     """One profiled step: `seqs` sequences, each computing `new` tokens after `ctx`."""
@@ -93,9 +98,9 @@ def device_ms_by_label(prof: torch.profiler.profile, steps: int) -> dict[str, fl
     kernels = [e for e in events if e.device_type == cuda and not e.name.startswith("part:")]
     out["total"] = sum(e.device_time_total for e in kernels) / 1e3 / steps
     # A Triton launch is not an aten op: the profiler attaches its kernel to no range, so
-    # the paged-attention kernel is found by name (and moved into the attention core).
-    out["paged_attention"] = sum(e.device_time_total for e in kernels
-                                 if "paged_attention" in e.name) / 1e3 / steps
+    # Triton kernels are found by name (`parts_of` moves them into their parts).
+    for key, name in TRITON_KERNELS.items():
+        out[key] = sum(e.device_time_total for e in kernels if name in e.name) / 1e3 / steps
     return out
 
 
@@ -103,15 +108,17 @@ def parts_of(ms: dict[str, float]) -> dict[str, float]:
     """Disjoint parts: the attention core and the activation are what their module spent
     beyond its projections; residual adds and the rest are what the layer spent beyond
     its modules; `other` is the step's kernels outside every layer and the head
-    (embedding, rope tables, KV slots, the decode rows' gathers). The paged-attention
-    kernel (Triton, attached to no range) counts in the attention core."""
+    (embedding, rope tables, KV slots, the decode rows' gathers). Triton kernels, attached
+    to no range, count in their parts by name (`TRITON_KERNELS`; the final norm's kernel
+    counts in `norms`)."""
     get = ms.get
     attn_core = (get("self_attn", 0) - get("qkv_proj", 0) - get("o_proj", 0)
-                 + get("paged_attention", 0))
-    act = get("mlp", 0) - get("gate_up_proj", 0) - get("down_proj", 0)
+                 + get("triton_attention", 0))
+    act = get("mlp", 0) - get("gate_up_proj", 0) - get("down_proj", 0) + get("triton_silu", 0)
     residual = get("layer", 0) - get("self_attn", 0) - get("mlp", 0) - get("norms", 0)
-    other = get("total", 0) - get("layer", 0) - get("head", 0) - get("paged_attention", 0)
-    return {"norms": get("norms", 0), "qkv_proj": get("qkv_proj", 0),
+    other = (get("total", 0) - get("layer", 0) - get("head", 0)
+             - sum(get(key, 0) for key in TRITON_KERNELS))
+    return {"norms": get("norms", 0) + get("triton_norm", 0), "qkv_proj": get("qkv_proj", 0),
             "attention core": attn_core, "o_proj": get("o_proj", 0),
             "gate_up_proj": get("gate_up_proj", 0), "silu_and_mul": act,
             "down_proj": get("down_proj", 0), "residual adds": residual,
