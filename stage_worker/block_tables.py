@@ -58,10 +58,13 @@ class BlockTables:
         max_blocks: the widest block table (longest context / block size).
         block_size: tokens per KV block.
         fill: the value of entries no sequence wrote (and of the padding row).
+        num_blocks: the KV pool's size, when known: a block id outside [0, num_blocks) is
+            refused before it is written (it would make a kernel read or write outside
+            the pool).
     """
 
     def __init__(self, rows: int, max_blocks: int, block_size: int, device: torch.device,
-                 fill: int = -1) -> None:
+                 fill: int = -1, num_blocks: int | None = None) -> None:
         if rows < 1 or max_blocks < 1:
             raise ValueError(f"block tables need rows and columns, got {rows} x {max_blocks}")
         self.rows = rows
@@ -70,6 +73,7 @@ class BlockTables:
         self.device = device
         self.table = torch.full((rows + 1, max_blocks), fill, dtype=torch.int32, device=device)
         self.padding_row = rows
+        self.num_blocks = num_blocks
         self._by_seq: dict[int, _Row] = {}
         self._free = list(range(rows - 1, -1, -1))
         self._step = 0
@@ -80,7 +84,8 @@ class BlockTables:
         kernel that reads them).
 
         Raises ValueError when a chunk's block table cannot hold its tokens, is wider than
-        `max_blocks`, or the step names more sequences than there are rows.
+        `max_blocks`, names a block outside the pool, or the step names more sequences than
+        there are rows.
         """
         if len(chunks) > self.rows:
             raise ValueError(f"a step of {len(chunks)} sequences exceeds the {self.rows} "
@@ -90,6 +95,7 @@ class BlockTables:
         rows: array[int] = array("q")
         index: array[int] = array("q")
         values: array[int] = array("q")
+        synced: list[tuple[_Row, int]] = []  # applied once the whole step passed its checks
         for c in chunks:
             table = c.block_table
             n = len(table)
@@ -105,12 +111,20 @@ class BlockTables:
                 if n > width:
                     raise ValueError(f"sequence {c.seq_id}: {n} blocks exceed the "
                                      f"{width}-block table")
+                new = table[row.synced:]
+                if self.num_blocks is not None and (min(new) < 0
+                                                    or max(new) >= self.num_blocks):
+                    bad = next(b for b in new if not 0 <= b < self.num_blocks)
+                    raise ValueError(f"sequence {c.seq_id}: block id {bad} is outside the KV "
+                                     f"pool [0, {self.num_blocks})")
                 base = row.index * width
                 index.extend(range(base + row.synced, base + n))
-                values.extend(table[row.synced:])
-                row.synced = n
+                values.extend(new)
+                synced.append((row, n))
             row.last_step = step
             rows.append(row.index)
+        for row, n in synced:
+            row.synced = n
         if index:
             self._write(index, values)
         return rows

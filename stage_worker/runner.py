@@ -108,9 +108,11 @@ class StageRunner(ModelRunner):
                         heads.num_kv, model_cfg.head_dim, cfg.dtype),
             cfg.device,
         )
-        if graphs:  # a fresh table whose padding row reads the scratch block
-            self.tables = BlockTables(rows, max_blocks, cfg.block_size, cfg.device,
-                                      fill=num_blocks)
+        # The tables the steps use: ids checked against the pool; with graphs, the padding
+        # row reads the scratch block.
+        self.tables = BlockTables(rows, max_blocks, cfg.block_size, cfg.device,
+                                  fill=num_blocks if graphs else -1, num_blocks=num_blocks)
+        if graphs:
             self.graphs = self._capture_graphs()
         self.use_graphs = self.graphs is not None
         log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens",

@@ -72,6 +72,30 @@ def test_steps_beyond_the_limits_are_refused() -> None:
         tables.rows_for([SeqChunk(5, 0, 1, [0, 1, 2, 3])])
 
 
+def test_a_block_outside_the_pool_never_reaches_the_table() -> None:
+    tables = BlockTables(2, 4, 16, CPU, num_blocks=10)
+    with pytest.raises(ValueError, match="sequence 3: block id 10 is outside the KV pool "
+                                         r"\[0, 10\)"):
+        tables.rows_for([SeqChunk(3, 0, 20, [9, 10])])
+    with pytest.raises(ValueError, match="block id -1 is outside"):
+        tables.rows_for([SeqChunk(4, 0, 1, [-1])])
+    blocks = [9]
+    (row,) = tables.rows_for([SeqChunk(5, 0, 16, blocks)])
+    blocks.append(12)  # an appended block is checked too
+    with pytest.raises(ValueError, match="block id 12"):
+        tables.rows_for([SeqChunk(5, 16, 1, blocks)])
+    assert table_of(tables, row, 1) == [9]
+
+
+def test_a_refused_step_leaves_no_row_believed_written() -> None:
+    tables = BlockTables(4, 4, 16, CPU, num_blocks=10)
+    good = [1, 2]
+    with pytest.raises(ValueError, match="block id 11"):
+        tables.rows_for([SeqChunk(0, 0, 20, good), SeqChunk(1, 0, 1, [11])])
+    (row,) = tables.rows_for([SeqChunk(0, 20, 1, good)])  # written now, in full
+    assert table_of(tables, row, 2) == [1, 2]
+
+
 def test_the_padding_row_holds_the_fill_value() -> None:
     tables = BlockTables(3, 4, 16, CPU, fill=99)
     tables.rows_for([SeqChunk(0, 0, 64, [1, 2, 3, 4])])
