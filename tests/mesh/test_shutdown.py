@@ -14,23 +14,11 @@ import pytest
 
 from router.client import RouterClient
 from tests.mesh.harness import Mesh, readiness
+from tests.processes import child_pids
 
 pytestmark = pytest.mark.slow
 
 LONG = 60  # tokens of the request in flight during the drain
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
 
 
 def _alive(pid: int) -> bool:
@@ -47,7 +35,7 @@ def test_sigterm_drains_then_stops_every_process() -> None:
     try:
         pids = [mesh.proc.proc.pid, *mesh.pids.values()]
         for stage in ("stage 0", "stage 1"):
-            pids += _children(mesh.pids[stage])  # the TP rank processes
+            pids += child_pids(mesh.pids[stage])  # the TP rank processes
         assert len(pids) >= 6  # launcher, router, 2 stage leaders, 2 TP ranks
 
         async def run() -> tuple[str | None, grpc.StatusCode, int, int, int]:

@@ -19,6 +19,7 @@ from stagemesh.cli_services import router_config
 from stagemesh.launcher import build_children
 from stagemesh.local_mesh import Proc
 from tests.default_model import default_model_dir
+from tests.processes import child_pids
 from tests.router.inprocess import start_stage
 from tests.router.test_engine_inprocess import null_stages
 from tests.router.test_front_processes import seq_of_first_token
@@ -43,19 +44,6 @@ def test_the_flag_reaches_the_router_config_and_serve_passes_it_on(model_dir: Pa
     router = next(c for c in build_children(serve, tmp_path) if c.role == "router")
     i = router.argv.index("--api-processes")
     assert router.argv[i + 1] == "2"
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
 
 
 def _alive(pid: int) -> bool:
@@ -91,7 +79,7 @@ def test_router_process_with_two_fronts_serves_and_drains_on_sigterm(model_dir: 
                      "--stages", stage.address, "--port", str(port), "--api-processes", "2"])
         try:
             await asyncio.to_thread(proc.wait_for, r"1 front process\(es\) serve", 60)
-            children = _children(proc.proc.pid)
+            children = child_pids(proc.proc.pid)
             assert len(children) == 2  # the engine core and front process 1
             address = f"127.0.0.1:{port}"
             async with RouterClient(address) as probe:
