@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from stage_worker.dataplane.compression import CHOICES as COMPRESSION_CHOICES
+
 MODEL_IMPLS = ("auto", "llama", "null")
 
 
@@ -38,6 +40,8 @@ class StageConfig:
         tp_init_port: rendezvous port of the TP group on 127.0.0.1 (0 picks one).
         step_timeout_s: longest wait for a step's activations from upstream.
         enforce_eager: never replay CUDA graphs for decode steps (debugging, A/B runs).
+        activation_compression: the form of the activations this stage sends downstream:
+            "none", "bf16", "fp16" or "int8" (`stage_worker.dataplane.compression`).
     """
 
     model_dir: Path
@@ -62,6 +66,7 @@ class StageConfig:
     tp_init_port: int = 0
     step_timeout_s: float = 60.0
     enforce_eager: bool = False
+    activation_compression: str = "none"
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
@@ -70,6 +75,10 @@ class StageConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.dataplane_port <= 65535:
             raise ValueError(f"dataplane_port must be in [0, 65535], got {self.dataplane_port}")
+        if self.activation_compression not in COMPRESSION_CHOICES:
+            raise ValueError(f"activation_compression must be one of "
+                             f"{', '.join(COMPRESSION_CHOICES)}, got "
+                             f"{self.activation_compression!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "
                              f"{self.model_impl!r}")

@@ -23,6 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from stage_worker import tp_fanout
+from stage_worker.dataplane.compression import (
+    CompressedFormError,
+    Compression,
+    compress,
+    decompress,
+)
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
 from stage_worker.host_transfer import host_tensor
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks
@@ -48,10 +54,13 @@ class StageLeader:
     """Owns TP rank 0's `StageRank`, the data-plane links and the TP fan-out."""
 
     def __init__(self, rank: StageRank, step_timeout_s: float,
-                 dataplane: DataPlaneAddress | None = None) -> None:
-        """`dataplane`: where the listeners bind (default: the router's name)."""
+                 dataplane: DataPlaneAddress | None = None,
+                 compression: Compression = Compression.NONE) -> None:
+        """`dataplane`: where the listeners bind (default: the router's name).
+        `compression`: the form of the activations sent downstream (the receiver reads any)."""
         self.rank = rank
         self.step_timeout_s = step_timeout_s
+        self.compression = compression
         self.feedback = FeedbackStore()  # first stage: the run-ahead inputs
         inbox = FeedbackInbox(self.feedback)
         self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s,
@@ -113,7 +122,7 @@ class StageLeader:
             return self._resolve(self._start_sampling(plan.step_id, chunks, out))
         if out is None:  # nothing computed: the next stage still expects this step
             out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
-        self.links.send(plan.step_id, [out])
+        self.links.send(plan.step_id, compress(out, self.compression))
         return self._outcome(plan.step_id)
 
     def step_overlapped(self, plan: StagePlan, deliver: Callable[[StageOutcome], None],
@@ -204,15 +213,15 @@ class StageLeader:
                             len(held.seqs))
 
     def _receive(self, plan: StagePlan) -> torch.Tensor:
-        """The step's activations [T, H] from upstream, checked against the plan."""
+        """The step's activations [T, H] from upstream (in any form `compress` makes),
+        checked against the plan, in this stage's dtype."""
         tensors = self.links.recv(plan.step_id)
         want = (plan.num_tokens, self.rank.shape.hidden_size)
-        dtype = self.rank.shape.dtype
-        if len(tensors) != 1 or tuple(tensors[0].shape) != want or tensors[0].dtype != dtype:
-            got = [f"{list(t.shape)} {t.dtype}" for t in tensors]
-            raise ActivationMismatchError(f"step {plan.step_id}: upstream sent {got}, the plan "
-                                          f"computes {list(want)} {dtype}")
-        return tensors[0]
+        try:
+            return decompress(tensors, want, self.rank.shape.dtype)
+        except CompressedFormError as e:
+            raise ActivationMismatchError(f"step {plan.step_id}: upstream activations do not "
+                                          f"fit the plan: {e}") from None
 
     def reset(self) -> int:
         """Drop all sequence state on every rank (the Run stream ended), a pending step

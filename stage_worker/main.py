@@ -21,6 +21,7 @@ from kernels.platform import distributed_backend
 from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.build import build_stage_rank, rank_device
 from stage_worker.config import StageConfig
+from stage_worker.dataplane.compression import Compression
 from stage_worker.leader import StageLeader
 from stage_worker.links import DataPlaneAddress
 from stage_worker.parallel import TPGroup, init_tp_group
@@ -52,7 +53,8 @@ def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
     """TP rank 0's stage behind its gRPC servicer (the other ranks must be joining `tp`)."""
     rank = build_stage_rank(cfg, tp)
     leader = StageLeader(rank, cfg.step_timeout_s, DataPlaneAddress(
-        cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise))
+        cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise),
+        Compression(cfg.activation_compression))
     return StageServicer(leader, StageIdentity.of(cfg, rank))
 
 

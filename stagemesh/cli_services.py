@@ -89,10 +89,19 @@ def _add_stage(commands: SubParsers) -> None:
     p.add_argument("--step-timeout", type=float, default=60.0)
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode steps")
+    _add_compression_arg(p)
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
     _add_server_tls_args(p)
     p.set_defaults(handler=_stage)
+
+
+def _add_compression_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--activation-compression", default="none",
+                   choices=("none", "bf16", "fp16", "int8"),
+                   help="form of the activations a stage sends downstream: as computed, cast "
+                        "to 16 bits, or int8 with a scale per token (for links where "
+                        "bandwidth is scarce; docs/BENCHMARKS.md gives each one's error)")
 
 
 def _add_model_impl_arg(p: argparse.ArgumentParser) -> None:
@@ -129,7 +138,7 @@ def _stage(args: argparse.Namespace) -> int:
         host=args.host, port=args.port,
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
     )
     return run_stage(cfg, args.ready_file, server_tls_of(args))
 
@@ -296,6 +305,7 @@ def _add_serve(commands: SubParsers) -> None:
     _add_model_impl_arg(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="stages never replay CUDA graphs for decode steps")
+    _add_compression_arg(p)
     _add_router_args(p)
     p.set_defaults(handler=_serve)
 

@@ -65,6 +65,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int32: 5,
     torch.bool: 6,
     torch.uint8: 7,
+    torch.int8: 8,
 }
 _CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
