@@ -53,6 +53,7 @@ async def run_front(cfg: FrontConfig, report: TextIO) -> int:
         if served.done() and served.exception() is not None:
             return 1  # the core could not start; the router says why
         if served.done():
+            server.update_readiness()
             _say(report, READY_LINE)
         await stop.wait()
         log.info("front %d draining", cfg.front_id)

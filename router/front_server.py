@@ -101,6 +101,7 @@ class FrontServer:
             ("grpc.so_reuseport", 1)])
         add_services(self.server, self.servicer, self.health)
         self._tasks: list[asyncio.Task[None]] = []
+        self._ready = False
 
     async def start(self) -> int:
         """Serve: health at once (readiness NOT_SERVING until the core reports the pipeline
@@ -119,21 +120,26 @@ class FrontServer:
         self.health.set("readiness", SERVING if ready else NOT_SERVING)
         self.health.set("", SERVING if ready else NOT_SERVING)
 
+    def update_readiness(self) -> None:
+        """Readiness from the core's state and the drain flag, now (the watcher does it
+        every READINESS_POLL_S; a front that reports itself ready calls it first, so its
+        health never says NOT_SERVING after it said it serves)."""
+        ready = self.front.core_ready and not self.servicer.draining
+        if ready != self._ready:
+            self.set_health(ready)
+            log.info("front %d readiness: %s", self.cfg.front_id,
+                     "SERVING" if ready else "NOT_SERVING")
+            self._ready = ready
+
     async def _watch_readiness(self) -> None:
-        last = False
         while True:
-            ready = self.front.core_ready and not self.servicer.draining
-            if ready != last:
-                self.set_health(ready)
-                log.info("front %d readiness: %s", self.cfg.front_id,
-                         "SERVING" if ready else "NOT_SERVING")
-                last = ready
+            self.update_readiness()
             await asyncio.sleep(READINESS_POLL_S)
 
     def start_draining(self) -> None:
         """Readiness NOT_SERVING at once; new requests get UNAVAILABLE."""
         self.servicer.draining = True
-        self.set_health(ready=False)
+        self.update_readiness()
 
     async def drain(self, deadline: float, give_up: Callable[[], bool] = lambda: False) -> None:
         """Refuse new work and wait until the in-flight requests finish, the loop time

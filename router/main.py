@@ -101,6 +101,7 @@ class RouterApp:
             await asyncio.gather(fronts, return_exceptions=True)
             await self._stop_all()
             raise
+        self.server.update_readiness()  # SERVING before anyone hears the router is up
         if self.fronts.count:
             log.info("%d front process(es) serve %s too (--api-processes %d)",
                      self.fronts.count, address, self.cfg.api_processes)
