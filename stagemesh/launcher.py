@@ -2,8 +2,11 @@
 
 Starts P stage processes (each spawns its own TP ranks), then the router, then the HTTP
 gateway; waits until the router reports ready; prints the endpoints and one line per
-process. A stage that dies is restarted on the same port (the router re-links and
-re-prefills). SIGINT/SIGTERM drains the router, then stops everything; no process is left.
+process. A stage (or the gateway) that dies is restarted on the same port (the router
+re-links and re-prefills), after a backoff that grows while it keeps dying soon after its
+start, at most 5 times in 10 minutes: past that `serve` stops with a line naming it (a
+process that cannot stay up is a fault to fix, not load). SIGINT/SIGTERM drains the router,
+then stops everything; no process is left.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +26,20 @@ from foundation.modelstore import resolve_model
 from foundation.ports import free_port
 
 READY_TIMEOUT_S = 600.0
+
+
+# Restarts of one child: at most RESTART_LIMIT within RESTART_WINDOW_S (then `serve` stops
+# with a line saying so), each after a backoff that doubles from RESTART_BACKOFF_S up to
+# RESTART_BACKOFF_MAX_S while the child keeps dying within RESTART_STABLE_S of its start.
+RESTART_LIMIT = 5
+RESTART_WINDOW_S = 600.0
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 10.0
+RESTART_STABLE_S = 60.0
+
+
+class RestartLimitError(RuntimeError):
+    """A child died more often than the restart policy allows."""
 
 
 @dataclass
@@ -36,11 +54,36 @@ class Child:
     address: str = ""
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    started_at: float = 0.0
+    restart_at: float | None = None  # a restart waiting out its backoff
+    backoff_s: float = 0.0
+    deaths: deque[float] = field(default_factory=deque)  # within the restart window
 
     def start(self) -> None:
         self.ready_file.unlink(missing_ok=True)
+        self.started_at = time.monotonic()
+        self.restart_at = None
         self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env},
                                      start_new_session=True)
+
+    def schedule_restart(self, now: float) -> float:
+        """Record a death at `now` and when to start again; returns the delay. Raises
+        RestartLimitError past RESTART_LIMIT deaths within RESTART_WINDOW_S."""
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > RESTART_WINDOW_S:
+            self.deaths.popleft()
+        if len(self.deaths) > RESTART_LIMIT:
+            assert self.proc is not None
+            raise RestartLimitError(
+                f"{self.role} exited {len(self.deaths)} times within "
+                f"{RESTART_WINDOW_S / 60:.0f} minutes (last status {self.proc.returncode}); "
+                f"not restarting it again: its output above says why it stops")
+        stable = now - self.started_at >= RESTART_STABLE_S
+        self.backoff_s = (RESTART_BACKOFF_S if stable or not self.backoff_s
+                          else min(2 * self.backoff_s, RESTART_BACKOFF_MAX_S))
+        self.restarts += 1
+        self.restart_at = now + self.backoff_s
+        return self.backoff_s
 
     def ready(self) -> bool:
         if self.ready_file.exists():
@@ -204,16 +247,22 @@ def _print_endpoints(children: list[Child], args: argparse.Namespace) -> None:
 
 
 def _supervise(children: list[Child], stop: dict[str, int]) -> None:
-    """Until a signal: restart stages (same port) and the gateway if they die."""
+    """Until a signal: restart stages (same port) and the gateway if they die, with backoff
+    and a cap (`Child.schedule_restart`). Raises RuntimeError when the router dies or a
+    child hits the cap."""
     while not stop["signal"]:
+        now = time.monotonic()
         for c in children:
             assert c.proc is not None
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    c.start()
+                continue
             if c.proc.poll() is None:
                 continue
             if not c.restart:
                 raise RuntimeError(f"{c.role} exited with status {c.proc.returncode}")
-            c.restarts += 1
-            print(f"stagemesh serve: {c.role} exited ({c.proc.returncode}); restarting "
-                  f"(restart {c.restarts})", file=sys.stderr, flush=True)
-            c.start()
+            delay = c.schedule_restart(now)
+            print(f"stagemesh serve: {c.role} exited ({c.proc.returncode}); restarting in "
+                  f"{delay:.1f}s (restart {c.restarts})", file=sys.stderr, flush=True)
         time.sleep(0.2)
