@@ -40,6 +40,9 @@ class RouterConfig:
             client connections across them. More than 1 when one process's per-token work
             (detokenizing, stop strings, one gRPC message per token per stream) limits
             throughput.
+        audit_log: one JSON line per Generate call on stderr (`router.audit`).
+        audit_log_content: put the prompt and output text in those lines (the users' data:
+            off unless asked for).
     """
 
     model_dir: Path
@@ -65,6 +68,8 @@ class RouterConfig:
     engine_core: str = "process"
     run_ahead: bool = True
     api_processes: int = 1
+    audit_log: bool = True
+    audit_log_content: bool = False
 
     def __post_init__(self) -> None:
         if self.engine_core not in ("process", "task"):

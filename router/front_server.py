@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2
 from foundation.api_keys import ApiKeys
 from foundation.tls import ServerTls, add_port
 from foundation.tokenizer import ModelTokenizer
+from router.audit import AuditLog
 from router.auth import ApiKeyInterceptor
 from router.config import RouterConfig
 from router.core.channel import FrontEndpoint
@@ -51,7 +52,8 @@ class FrontConfig:
         port: the public port; for fronts 1..N-1 the one front 0 bound (the router's
             `--port`, or what the kernel gave front 0 for port 0).
         model_dir / model_name / host / max_request_bytes / stream_interval /
-            drain_timeout_s / api_keys / tls: as `RouterConfig`.
+            drain_timeout_s / api_keys / tls / audit_log / audit_log_content: as
+            `RouterConfig`.
     """
 
     front_id: int
@@ -66,13 +68,16 @@ class FrontConfig:
     drain_timeout_s: float = 30.0
     api_keys: frozenset[str] = frozenset()
     tls: ServerTls | None = None
+    audit_log: bool = True
+    audit_log_content: bool = False
 
     @classmethod
     def of_router(cls, cfg: RouterConfig, front_id: int, core_address: str,
                   output_address: str, port: int) -> FrontConfig:
         return cls(front_id, core_address, output_address, str(cfg.model_dir),
                    cfg.model_name, cfg.host, port, cfg.max_request_bytes, cfg.stream_interval,
-                   cfg.drain_timeout_s, cfg.api_keys, cfg.tls)
+                   cfg.drain_timeout_s, cfg.api_keys, cfg.tls, cfg.audit_log,
+                   cfg.audit_log_content)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -90,7 +95,8 @@ class FrontServer:
         self.cfg = cfg
         endpoint = FrontEndpoint(cfg.front_id, cfg.core_address, cfg.output_address)
         self.front = Frontend(cfg.front_id, endpoint, tokenizer, cfg.stream_interval)
-        self.servicer = InferenceServicer(self.front, tokenizer, cfg.model_name)
+        self.servicer = InferenceServicer(self.front, tokenizer, cfg.model_name,
+                                          AuditLog(cfg.audit_log, cfg.audit_log_content))
         self.health = health.HealthServicer()
         interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
         # SO_REUSEPORT (gRPC's default on Linux, asked for here because the design relies on

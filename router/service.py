@@ -9,6 +9,7 @@ pipeline's shape and never changed; until then calls get UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from foundation.tokenizer import ModelTokenizer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
+from router.audit import AuditLog, AuditRecord, key_id
 from router.convert import delta_to_proto, generate_from_proto, prompt_from_proto, usage_to_proto
 from router.core.messages import ServedInfo
 from router.errors import (
@@ -25,6 +27,7 @@ from router.errors import (
     UnavailableError,
     abort_with_status,
     failure_error,
+    status_for,
     unary_errors,
 )
 from router.frontend import Frontend
@@ -42,11 +45,13 @@ class ServedModel:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, front: Frontend, tokenizer: ModelTokenizer, model_name: str) -> None:
+    def __init__(self, front: Frontend, tokenizer: ModelTokenizer, model_name: str,
+                 audit: AuditLog | None = None) -> None:
         self.front = front
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.draining = False
+        self.audit = audit or AuditLog(enabled=False)
 
     def _model(self, requested: str = "") -> ServedModel:
         """The served model; UNAVAILABLE while starting, NOT_FOUND for another name."""
@@ -61,7 +66,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
         """Writes each update with `context.write` (no async-generator hop per message: this
-        runs once per token per stream); exceptions become statuses (`status_for`)."""
+        runs once per token per stream); exceptions become statuses (`status_for`). Every
+        call ends with one audit line (`router.audit`)."""
+        audit = self.audit
+        record = AuditRecord(context.peer(), key_id(context.invocation_metadata()),
+                             request.model or self.model_name, request.request_id)
         try:
             served = self._model(request.model)
             if self.draining:
@@ -69,18 +78,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             req = validate_request(generate_from_proto(request), served.info.limits,
                                    self.tokenizer)
             write, request_id = context.write, req.request_id
+            record.request_id, record.prompt_tokens = request_id, len(req.prompt_token_ids)
+            if audit.content:
+                record.prompt = self.tokenizer.decode(req.prompt_token_ids,
+                                                      skip_special_tokens=False)
             async for items in self.front.submit(req):
                 for item in items:
                     if isinstance(item, ChoiceDelta):
                         await write(delta_to_proto(request_id, item))
+                        if item.finish_reason is not None:
+                            record.finish_reasons[item.index] = item.finish_reason.value
+                        if audit.content:
+                            record.output[item.index] = (record.output.get(item.index, "")
+                                                         + item.text)
                     elif isinstance(item, RequestDone):
                         await write(usage_to_proto(request_id, item.usage))
+                        record.completion_tokens = item.usage.completion_tokens
                     elif isinstance(item, RequestFailed):
                         raise failure_error(item)
         except grpc.aio.AbortError:
+            record.status = _code_name(context)
+            raise
+        except asyncio.CancelledError:
+            record.status = "CANCELLED"  # the client went away
             raise
         except Exception as e:
+            mapped = status_for(e)
+            record.status = mapped[0].name if mapped is not None else "INTERNAL"
             await abort_with_status(context, e)
+        finally:
+            audit.emit(record)
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest,
@@ -122,6 +149,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             stages=stages, steps=stats.steps,
             requests_finished=stats.requests_finished,
         )
+
+
+def _code_name(context: grpc.aio.ServicerContext) -> str:
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
 
 
 def add_services(server: grpc.aio.Server, servicer: InferenceServicer,

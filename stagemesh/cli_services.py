@@ -231,6 +231,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-core", choices=("process", "task"), default="process",
                    help="run the engine core (scheduler, KV, pipeline driver) in its own "
                         "process (default), or as a task of the router's front (debugging)")
+    p.add_argument("--no-audit-log", action="store_true",
+                   help="no audit line per request (default: one JSON line per Generate call "
+                        "on stderr: request id, API key id, client, model, token counts, "
+                        "finish reasons, status; never the key)")
+    p.add_argument("--audit-log-content", action="store_true",
+                   help="put the prompt and output text in the audit lines (off by default)")
     p.add_argument("--api-processes", type=_at_least_one, default=1, metavar="N",
                    help="processes serving the public gRPC API on the router's host:port, "
                         "each a front of the one engine core (validation, tokenization, "
@@ -272,6 +278,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
         engine_core=args.engine_core, run_ahead=not args.no_run_ahead,
         api_processes=args.api_processes, api_keys=api_keys(args),
+        audit_log=not args.no_audit_log, audit_log_content=args.audit_log_content,
     )
 
 

@@ -164,6 +164,10 @@ def build_children(args: argparse.Namespace, workdir: Path,
         router.append("--no-prefix-caching")
     if args.no_run_ahead:
         router.append("--no-run-ahead")
+    if args.no_audit_log:
+        router.append("--no-audit-log")
+    if args.audit_log_content:
+        router.append("--audit-log-content")
     # API keys travel in the environment, not in argv (which `ps` shows): the router and the
     # gateway accept the same keys; the gateway presents one of them to the router.
     keys = sorted(api_keys)
