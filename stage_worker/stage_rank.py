@@ -17,7 +17,7 @@ from stage_worker.held_seqs import HeldSeqs
 from stage_worker.host_transfer import host_tensor, upload
 from stage_worker.model_runner import ModelRunner
 from stage_worker.parallel import TPGroup
-from stage_worker.plan import StagePlan
+from stage_worker.plan import PlanError, StagePlan
 from stage_worker.plan_check import StepLimits, check_plan
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample
@@ -38,14 +38,21 @@ class StageRank:
         self.is_first, self.is_last = layers.is_first, layers.is_last
         self.held = HeldSeqs(keep_tokens=self.is_first or self.is_last)
         cap = runner.capacity
+        self.last_step_id = -1  # the last plan checked on this Run stream
         self.limits = StepLimits(cap.max_num_batched_tokens, cap.max_num_seqs, num_blocks,
                                  cap.block_size)
 
     def check(self, plan: StagePlan) -> None:
-        """Raise PlanError unless the stage can run `plan` (see `plan_check.check_plan`).
-        The leader calls it before any rank sees the plan."""
+        """Raise PlanError unless the stage can run `plan` (see `plan_check.check_plan`), or
+        when its step id does not follow the previous plan's (ids increase along a Run
+        stream: a repeated or older id is a confused or replaying peer). The leader calls it
+        before any rank sees the plan."""
+        if plan.step_id <= self.last_step_id:
+            raise PlanError(f"step {plan.step_id} after step {self.last_step_id}: the step "
+                            "ids of a Run stream must increase")
         check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first,
                    knows_samples=self.is_last)
+        self.last_step_id = plan.step_id
 
     def step(self, plan: StagePlan, upstream: torch.Tensor | None,
              fed: Mapping[int, int] | None = None, on_device: FeedbackStore | None = None,
@@ -98,5 +105,7 @@ class StageRank:
         return self.runner.sample([self.held.seqs[c.seq_id] for c in chunks if c.sample], scores)
 
     def reset(self) -> int:
-        """Forget every sequence (the Run stream ended); returns how many there were."""
+        """Forget every sequence and the last step id (the Run stream ended); returns how
+        many sequences there were."""
+        self.last_step_id = -1
         return self.held.clear()

@@ -185,6 +185,28 @@ def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
     assert [sampled(r) for r in results] == [[(158, 158), (3, 3)], [(158, 159), (3, 4)]]
 
 
+@pytest.mark.parametrize("repeat", [1, 0], ids=["repeated", "older"])
+def test_a_step_id_that_does_not_increase_is_refused(checkpoint: Path, repeat: int) -> None:
+    """Step ids increase along a Run stream: a plan repeating or going back to an earlier id
+    is refused before anything runs, and the next Run stream starts over."""
+    cfg = StageConfig(checkpoint, model_impl="null")
+
+    async def body() -> tuple[list[pb.StepResult], list[pb.StepResult]]:
+        async with serving(cfg) as stub:
+            first = await run_plans(stub, [prefill([7], [[1, 2, 3]], [[0]]),
+                                           decodes(1, [(7, 3, 7)]),
+                                           decodes(repeat, [(7, 4, 7)])])
+            again = await run_plans(stub, [prefill([7], [[1, 2, 3]], [[0]])])
+            return first, again
+
+    first, again = asyncio.run(body())
+    assert [r.step_id for r in first] == [0, 1, repeat]
+    assert not first[1].error
+    assert first[2].error == (f"stage 0: PlanError: step {repeat} after step 1: the step ids "
+                              "of a Run stream must increase")
+    assert [r.step_id for r in again] == [0] and not again[0].error
+
+
 def test_a_malformed_cached_batch_fails_its_step_naming_the_field(checkpoint: Path) -> None:
     """A plan whose packed columns disagree is refused when it is converted: that step's
     answer is a PlanError naming the column and the lengths, and the stream ends."""
