@@ -48,7 +48,9 @@ def test_validation_names_field_and_limit(kwargs: dict, field: str, message: str
     ],
 )
 def test_validation_accepts_the_edges(kwargs: dict) -> None:
-    SamplingParams(**kwargs).validate(vocab_size=100, max_logprobs=20)
+    params = SamplingParams(**kwargs)
+    params.validate(vocab_size=100, max_logprobs=20)  # raises SamplingParamsError if refused
+    assert all(getattr(params, name) == value for name, value in kwargs.items())
 
 
 def test_is_greedy() -> None:

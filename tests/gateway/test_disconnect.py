@@ -85,11 +85,13 @@ def test_async_chat_stream_closed_mid_way_frees_kv_everywhere(
                     seen |= {c.index for c in chunk.choices}
                     if seen == {0, 1}:
                         break
+                assert seen == {0, 1}
                 await asyncio.to_thread(_busy_everywhere, stub, 2)
 
     wait_idle(stub)
     asyncio.run(run())
-    wait_idle(stub, timeout=CANCEL_WITHIN_S)
+    idle = wait_idle(stub, timeout=CANCEL_WITHIN_S)
+    assert idle.num_running == 0 and idle.kv_blocks_used == 0
 
 
 def test_list_of_prompts_stream_closed_cancels_every_call(
@@ -102,9 +104,11 @@ def test_list_of_prompts_stream_closed_cancels_every_call(
         seen |= {c.index for c in chunk.choices}
         if seen == {0, 1}:
             break
-    _busy_everywhere(stub, running=2)
+    assert seen == {0, 1}
+    assert _busy_everywhere(stub, running=2).num_running >= 2
     stream.close()
-    wait_idle(stub, timeout=CANCEL_WITHIN_S)
+    idle = wait_idle(stub, timeout=CANCEL_WITHIN_S)
+    assert idle.num_running == 0 and idle.kv_blocks_used == 0
 
 
 def test_not_streamed_request_abandoned_frees_kv_everywhere(

@@ -164,7 +164,8 @@ def test_admission_refusal_is_429_with_retry_after(http: httpx.Client) -> None:
                                   "/v1/completions/", "/health/x"])
 def test_routes_not_on_the_allow_list_are_404(http: httpx.Client, path: str) -> None:
     for method in ("GET", "POST"):
-        _error(http.request(method, path), 404)
+        error = _error(http.request(method, path), 404)
+        assert error["code"] == "not_found" and path in error["message"], error
 
 
 @pytest.mark.parametrize(("method", "path", "allow"), [
