@@ -22,7 +22,7 @@ from tests.default_model import default_model_dir
 from tests.processes import child_pids
 from tests.router.inprocess import start_stage
 from tests.router.test_engine_inprocess import null_stages
-from tests.router.test_front_processes import seq_of_first_token
+from tests.router.test_front_processes import readiness_gone, seq_of_first_token
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +95,7 @@ def test_router_process_with_two_fronts_serves_and_drains_on_sigterm(model_dir: 
             received = [len((await s.__anext__()).token_ids) for s in streams]
             proc.proc.send_signal(signal.SIGTERM)
             for client in (a, b):
-                for _ in range(100):
-                    if not await client.health("readiness"):
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError("readiness stayed SERVING")
+                assert await readiness_gone(client), "readiness stayed SERVING"
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await client.complete(prompt="late", max_tokens=4)
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE

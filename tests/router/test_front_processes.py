@@ -43,6 +43,16 @@ def vocab(model_dir: Path) -> int:
     return ModelConfig.from_dir(model_dir).vocab_size
 
 
+async def readiness_gone(client: RouterClient, tries: int = 100) -> bool:
+    """Whether the front `client` reaches reports readiness NOT_SERVING within `tries`
+    polls 20 ms apart."""
+    for _ in range(tries):
+        if not await client.health("readiness"):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def seq_of_first_token(token: int, vocab: int) -> tuple[int, int]:
     """(front, n) of the null-model sequence whose first token is `token` (n is small)."""
     return min(((front, (token - (front << SEQ_ID_FRONT_SHIFT)) % vocab) for front in range(4)),
@@ -250,12 +260,7 @@ def test_drain_with_two_fronts(model_dir: Path) -> None:
 
             drain = asyncio.create_task(mesh.app.drain_and_stop())
             for client in (a, b):
-                for _ in range(100):
-                    if not await client.health("readiness"):
-                        break
-                    await asyncio.sleep(0.02)
-                else:
-                    raise AssertionError("readiness stayed SERVING")
+                assert await readiness_gone(client), "readiness stayed SERVING"
                 assert await client.health("liveness")
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await client.complete(prompt="late", max_tokens=4)

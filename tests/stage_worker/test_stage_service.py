@@ -24,6 +24,7 @@ from stage_worker.main import stage_servicer
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
 from stage_worker.parallel import TPGroup
 from stage_worker.plan import StageOutcome, StagePlan
+from stage_worker.service import StageServicer
 from tests.stage_worker.tiny_checkpoints import write_tiny_checkpoint
 
 BLOCK, BLOCKS, MAX_TOKENS, MAX_SEQS, MAX_NEW = 8, 64, 48, 4, 8
@@ -40,7 +41,14 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @asynccontextmanager
 async def serving(cfg: StageConfig) -> AsyncIterator[stage_pb2_grpc.StageServiceStub]:
     """A stage's servicer on a fresh port; yields a stub reaching it."""
-    servicer = stage_servicer(cfg, TPGroup())
+    async with serving_servicer(stage_servicer(cfg, TPGroup())) as stub:
+        yield stub
+
+
+@asynccontextmanager
+async def serving_servicer(servicer: StageServicer
+                           ) -> AsyncIterator[stage_pb2_grpc.StageServiceStub]:
+    """`servicer` on a fresh port (closed on exit); yields a stub reaching it."""
     server = grpc.aio.server()
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -269,24 +277,16 @@ def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: 
         return decodes(step, [(seq_id, 2 + step, 5)])
 
     async def body() -> list[pb.StepResult]:
-        server = grpc.aio.server()
-        stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = stage_pb2_grpc.StageServiceStub(channel).Run()
-                plans = [prefill([1], [[1, 2, 3]], [[0]]), decode(1), decode(2, seq_id=9),
-                         decode(3), decode(4)]
-                for plan in plans:
-                    await call.write(plan)
-                results = []
-                while (result := await call.read()) is not grpc.aio.EOF:
-                    results.append(result)
-                return results
-        finally:
-            await server.stop(grace=None)
-            servicer.close()
+        async with serving_servicer(servicer) as stub:
+            call = stub.Run()
+            plans = [prefill([1], [[1, 2, 3]], [[0]]), decode(1), decode(2, seq_id=9),
+                     decode(3), decode(4)]
+            for plan in plans:
+                await call.write(plan)
+            results = []
+            while (result := await call.read()) is not grpc.aio.EOF:
+                results.append(result)
+            return results
 
     results = asyncio.run(body())
     assert [r.step_id for r in results] == [0, 1, 2]
