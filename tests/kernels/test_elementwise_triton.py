@@ -4,18 +4,13 @@ triton is installed (it is a `gpu` extra, so CI without it skips that test)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
+from tests.kernels.interpreter import run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 # (rows, hidden): one decode row, an odd batch, a prefill-sized block; SmolLM2's 576 (not a
 # power of two), llama3-8b's 4096, and a width below one warp's worth.
 NORM_SHAPES = ((1, 576), (7, 4096), (300, 576), (5, 100))
@@ -74,10 +69,5 @@ def test_kernels_on_cuda() -> None:
 
 
 def test_kernels_in_the_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    code = ("import torch; from tests.kernels.test_elementwise_triton import check; "
-            "check('cpu', (torch.float32, torch.float16))")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted("import torch; from tests.kernels.test_elementwise_triton import check; "
+                    "check('cpu', (torch.float32, torch.float16))")

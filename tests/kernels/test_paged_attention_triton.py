@@ -4,18 +4,13 @@ installed (it is a `gpu` extra, so CI without it skips that test)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from kernels.paged_attention import paged_attention_ref
+from tests.kernels.interpreter import run_interpreted
 from tests.kernels.paged_cases import MIXED, mixed_case
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = ((40, 1), (0, 37), (20, 20), (3, 1), (64, 1), (70, 30))  # several KV blocks, key
 # tiles and query tiles (small and prefill-sized)
 # (Hq, Hkv, D): SmolLM2-135M, llama3-8b, MHA with a small head, one KV head.
@@ -47,10 +42,5 @@ def test_kernel_on_cuda(dtype: torch.dtype, tol: float) -> None:
 
 
 def test_kernel_in_the_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    code = ("import torch; from tests.kernels.test_paged_attention_triton import check; "
-            "check('cpu', torch.float32, 1e-5)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted("import torch; from tests.kernels.test_paged_attention_triton import check; "
+                    "check('cpu', torch.float32, 1e-5)")
