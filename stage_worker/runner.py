@@ -98,7 +98,6 @@ class StageRunner(ModelRunner):
         self.use_graphs = False
         max_blocks = -(-model_cfg.max_position_embeddings // cfg.block_size)
         rows = max(cfg.max_held_seqs or 0, cfg.max_num_seqs)
-        self.tables = BlockTables(rows, max_blocks, cfg.block_size, cfg.device)
         num_blocks = cfg.num_blocks if cfg.num_blocks is not None else self._blocks_that_fit()
         self._num_blocks = num_blocks
         graphs = self._graphs_supported()
@@ -208,7 +207,7 @@ class StageRunner(ModelRunner):
         chunks = profile_chunks(tokens, self.cfg.max_num_seqs, self.cfg.block_size)
         blocks = max(max(c.block_table) for c in chunks) + 1
         shape = self._pool_shape
-        tables = self.tables
+        # The profiled step's own tables; the steps' tables are built once the pool exists.
         self.tables = BlockTables(len(chunks), max(len(c.block_table) for c in chunks),
                                   shape.block_size, self.cfg.device)
         self.kv = KVPool(KVPoolShape(shape.num_layers, blocks, shape.block_size, shape.kv_heads,
@@ -220,7 +219,6 @@ class StageRunner(ModelRunner):
         torch.cuda.synchronize(self.cfg.device)
         peak = torch.cuda.max_memory_allocated(self.cfg.device)  # weights + activations
         del self.kv
-        self.tables = tables
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.cfg.device)
         # This process's share of the card (stages sharing a GPU split it), minus what it
