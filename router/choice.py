@@ -17,38 +17,74 @@ class ChoiceState:
     stop token or EOS: STOP, whose id counts as generated but adds no text; max_tokens or the
     context: LENGTH). A stop string is found here, on the text: it ends the choice with STOP
     and is cut from the text (unless asked to include it); the front then tells the core.
+
+    `hold_tokens`: with no stop strings, nothing about a token but its text needs it at once,
+    so `on_token` only holds the ids (returns None) and `take_held` detokenizes them in one
+    decode when the stream is due an update (`stream_interval` tokens); a finish includes
+    what is held. With stop strings every token is decoded as it comes, so the choice ends
+    at the token that completes one.
     """
 
     def __init__(self, index: int, seq_id: int, tokenizer: Tokenizer,
                  prompt_token_ids: tuple[int, ...], stop: tuple[str, ...],
-                 include_stop_str: bool, skip_special_tokens: bool) -> None:
+                 include_stop_str: bool, skip_special_tokens: bool,
+                 hold_tokens: bool = False) -> None:
         self.index = index
         self.seq_id = seq_id
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = StopChecker(stop, include_stop_str)
         self.finish_reason: FinishReason | None = None
+        self.holds = hold_tokens and not stop
+        self._held: list[int] = []
+        self._held_logprobs: list[TokenLogprob] = []
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def on_token(self, token_id: int, logprob: TokenLogprob | None,
-                 verdict: FinishReason | None) -> ChoiceDelta:
+                 verdict: FinishReason | None) -> ChoiceDelta | None:
         """Account one sampled token; `verdict`: why the core ended the choice with it (None:
-        it did not). Returns the delta (maybe empty text) and sets `finish_reason` when the
-        choice ends with this token."""
-        logprobs = (logprob,) if logprob is not None else ()
+        it did not). Returns the delta (maybe empty text), or None when the token is only
+        held (see the class); sets `finish_reason` when the choice ends with this token."""
+        if verdict is None and self.holds:
+            self._held.append(token_id)
+            if logprob is not None:
+                self._held_logprobs.append(logprob)
+            return None
+        ids, logprobs = self._take(token_id, logprob)
         if verdict is FinishReason.STOP:  # a stop token: no text of its own
-            return self._finish(FinishReason.STOP, (token_id,), logprobs, "")
-        text, stopped = self.stop.process(self.detok.push(token_id))
+            return self._finish(FinishReason.STOP, ids, logprobs,
+                                self.detok.push_many(ids[:-1]) if len(ids) > 1 else "")
+        text, stopped = self.stop.process(self.detok.push_many(ids))
         if stopped:
             self.finish_reason = FinishReason.STOP
-            return ChoiceDelta(self.index, text, (token_id,), logprobs, FinishReason.STOP)
+            return ChoiceDelta(self.index, text, ids, logprobs, FinishReason.STOP)
         if verdict is not None:
-            return self._finish(verdict, (token_id,), logprobs, text)
-        return ChoiceDelta(self.index, text, (token_id,), logprobs)
+            return self._finish(verdict, ids, logprobs, text)
+        return ChoiceDelta(self.index, text, ids, logprobs)
+
+    def take_held(self) -> ChoiceDelta | None:
+        """The tokens held since the last delta as one delta (None if none are held)."""
+        if not self._held:
+            return None
+        ids, logprobs = self._take(None, None)
+        return ChoiceDelta(self.index, self.detok.push_many(ids), ids, logprobs)
+
+    def _take(self, token_id: int | None, logprob: TokenLogprob | None,
+              ) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
+        """The held tokens (and logprobs) followed by this one, if any; nothing stays held."""
+        ids = (*self._held, token_id) if token_id is not None else tuple(self._held)
+        logprobs = tuple(self._held_logprobs)
+        if logprob is not None:
+            logprobs += (logprob,)
+        self._held.clear()
+        self._held_logprobs.clear()
+        return ids, logprobs
 
     def abort(self) -> ChoiceDelta:
+        self._held.clear()
+        self._held_logprobs.clear()
         return self._finish(FinishReason.ABORT, (), (), "")
 
     def _finish(self, reason: FinishReason, ids: tuple[int, ...],

@@ -1,4 +1,5 @@
-"""Incremental detokenization: output token ids in, text deltas out, one token at a time.
+"""Incremental detokenization: output token ids in, text deltas out, a token (or a run of
+tokens) at a time.
 
 The prefix/read-offset technique (TGI, vLLM). The detokenizer keeps only a short window of
 tokens: the group it emitted last (the "prefix", `_tokens[:_read]`), then the tokens it holds.
@@ -81,9 +82,17 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Append one output token; return the text that is now final (maybe "")."""
-        if token_id in self._dropped:
+        return self.push_many((token_id,))
+
+    def push_many(self, token_ids: Sequence[int]) -> str:
+        """Append output tokens (in order) with one decode of the window; return the text
+        that is now final (maybe ""). The same text, over a stream, as pushing them one by
+        one: only the split into deltas can differ."""
+        dropped = self._dropped
+        kept = [t for t in token_ids if t not in dropped] if dropped else list(token_ids)
+        if not kept:
             return ""
-        self._tokens.append(token_id)
+        self._tokens += kept
         window = self._decode(self._tokens)
         if len(window) > len(self._text) and not window.endswith(REPLACEMENT):
             return self._advance(len(self._tokens), window)

@@ -81,7 +81,7 @@ class RequestState:
     cached_prompt_tokens: int = -1  # prefix-cache hits of the first prefill; -1 until known
     done: bool = False
     pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
-    pending_tokens: int = 0
+    pending_tokens: int = 0  # in `pending` and held by the choices
 
 
 class Frontend:
@@ -125,7 +125,8 @@ class Frontend:
             stop_ids |= set(self.tokenizer.special.eos_ids)
         state = RequestState(req, {
             seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
-                             req.include_stop_str_in_output, req.skip_special_tokens)
+                             req.include_stop_str_in_output, req.skip_special_tokens,
+                             hold_tokens=self.stream_interval > 1)
             for i, seq in enumerate(seq_ids)
         }, unfinished=req.n)
         self.requests[req.request_id] = state
@@ -218,6 +219,11 @@ class Frontend:
             delta = choice.on_token(token, logprobs.get(seq_id) if logprobs else None,
                                     FINISH_REASONS.get(code) if code else None)
             state.completion_tokens += 1
+            if delta is None:  # held, to be decoded with the next update's tokens
+                state.pending_tokens += 1
+                if state.pending_tokens >= self.stream_interval:
+                    self._flush(state)
+                continue
             if delta.finish_reason is not None:
                 state.unfinished -= 1
                 if code == FINISH_NONE:  # a stop string: tell the core
@@ -231,16 +237,25 @@ class Frontend:
             state.pending.append(delta)
             state.pending_tokens += len(delta.token_ids)
         done = state.unfinished == 0
-        if state.pending and (done or delta.finish_reason is not None
-                              or state.pending_tokens >= self.stream_interval):
-            state.outbox += coalesce(state.pending) if len(state.pending) > 1 else state.pending
-            state.wake.set()
-            state.pending = []
-            state.pending_tokens = 0
+        if done or delta.finish_reason is not None \
+                or state.pending_tokens >= self.stream_interval:
+            self._flush(state)
         if done:
             usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
                           max(0, state.cached_prompt_tokens))
             self._close(state, RequestDone(usage))
+
+    def _flush(self, state: RequestState) -> None:
+        """Queue everything the request accumulated (pending deltas, then the tokens its
+        choices hold, decoded now) as its stream's next update."""
+        for choice in state.choices.values():
+            if choice.holds and (held := choice.take_held()) is not None:
+                state.pending.append(held)
+        if state.pending:
+            state.outbox += coalesce(state.pending) if len(state.pending) > 1 else state.pending
+            state.wake.set()
+            state.pending = []
+        state.pending_tokens = 0
 
     def _fail_seqs(self, seq_ids: list[int], kind: FailureKind, message: str) -> None:
         states = {id(s): s for s in (self.seq_owner.get(q) for q in seq_ids) if s is not None}

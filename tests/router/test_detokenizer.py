@@ -183,6 +183,29 @@ def test_random_tokens_stream_equals_decode(tok: Tokenizer, byte_ids: list[int],
         assert not any(FFFD in d for d in deltas)
 
 
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), skip=st.booleans(), max_held=st.sampled_from([4, 8]))
+def test_runs_of_tokens_stream_equals_decode(tok: Tokenizer, byte_ids: list[int],
+                                             data: st.DataObject, skip: bool,
+                                             max_held: int) -> None:
+    """push_many over runs of any length (the front decodes a stream interval's tokens at
+    once) gives the one-shot decode too, and never half a character."""
+    vocab = tok.get_vocab_size()
+    prompt = data.draw(_token_ids(vocab, byte_ids, 8), label="prompt")
+    ids = data.draw(_token_ids(vocab, byte_ids, 60), label="output")
+    d = IncrementalDetokenizer(tok, prompt, skip, max_held_tokens=max_held)
+    deltas, i = [], 0
+    while i < len(ids):
+        n = data.draw(st.integers(1, 20), label="run")
+        deltas.append(d.push_many(ids[i:i + n]))
+        i += n
+    deltas.append(d.flush())
+    want = tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) == want
+    if FFFD not in want:
+        assert not any(FFFD in x for x in deltas)
+
+
 def _utf8_classes(tok: Tokenizer, byte_ids: list[int]) -> tuple[list[int], list[int]]:
     """(continuation-byte tokens, lead-byte tokens), by decoding each byte token after a
     lead byte: a continuation byte joins the lead's sequence, a lead byte starts its own."""
