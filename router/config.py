@@ -34,6 +34,9 @@ class RouterConfig:
         run_ahead: plan a sequence's next step before its token came back to the router
             (the stages feed it to the first stage over the data plane); the output is the
             same either way. Off: every step waits for the previous one's tokens.
+        run_ahead_depth: with run_ahead, steps of one sequence outstanding at once (>= 2);
+            up to stages * depth steps are outstanding, and the core sends the plans it
+            has ready together in one message per stage.
         api_processes: processes serving the public API on host:port, each a front of the
             one engine core: the router's own and api_processes - 1 front processes
             (`router.front_process`), all bound with SO_REUSEPORT so the kernel spreads
@@ -67,6 +70,7 @@ class RouterConfig:
     stage_tls: ClientTls | None = None
     engine_core: str = "process"
     run_ahead: bool = True
+    run_ahead_depth: int = 4
     api_processes: int = 1
     audit_log: bool = True
     audit_log_content: bool = False
@@ -76,3 +80,6 @@ class RouterConfig:
             raise ValueError(f"engine_core must be 'process' or 'task', got {self.engine_core!r}")
         if self.api_processes < 1:
             raise ValueError(f"api_processes must be >= 1, got {self.api_processes}")
+        if self.run_ahead_depth < 2:
+            raise ValueError(f"run_ahead_depth must be >= 2 (one step planned on another), "
+                             f"got {self.run_ahead_depth}")

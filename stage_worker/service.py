@@ -158,17 +158,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                             f"unknown link role {request.role}")
         raise AssertionError("unreachable")
 
-    async def Run(self, request_iterator: AsyncIterator[pb.StepPlan],
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResult]:
+    async def Run(self, request_iterator: AsyncIterator[pb.StepPlans],
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResults]:
         """Plans in, results out, strictly in order. A newer Run supersedes an older one.
 
         A reader task converts each plan as it arrives and queues its step on the worker
         thread at once, so the worker starts step k+1 while step k's result is serialised
         and sent (the router sends plans ahead of results); a one-stage pipeline also
         queues step k+1 on the GPU before waiting for step k (`StageLeader.step_overlapped`).
-        Only the last stage answers every step (its sampled tokens); the others answer only
-        a step that failed. After a failed step, the steps queued behind it are skipped and
-        the stream ends with that step's error.
+        Only the last stage answers every step (its sampled tokens), the answers that are
+        ready together in one message; the others answer only a step that failed. After a
+        failed step, the steps queued behind it are skipped and the stream ends with that
+        step's error.
         """
         self._run_generation += 1
         if self._run is not None:  # superseded: its handler stops waiting
@@ -179,46 +180,69 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
         room = asyncio.Semaphore(MAX_QUEUED_STEPS)
         reader = asyncio.create_task(self._queue_steps(request_iterator, run, queued, room))
+        ahead: tuple[int, asyncio.Future[StageOutcome]] | None = None  # taken, not awaited
         try:
-            while (item := await queued.get()) is not None:
-                step_id, future = item
-                try:
-                    outcome = await future
-                except _SkippedStep:
+            while True:
+                item, ahead = ahead or await queued.get(), None
+                if item is None:
                     return
-                except Exception as e:
-                    yield self._failed(step_id, e)
+                results: list[pb.StepResult] = []
+                ended = False
+                while True:  # this step, then every queued one already done
+                    step_id, future = item
+                    try:
+                        outcome = await future
+                    except _SkippedStep:
+                        ended = True
+                        break
+                    except Exception as e:
+                        results.append(self._failed(step_id, e))
+                        ended = True
+                        break
+                    room.release()
+                    if answers:
+                        results.append(outcome_to_proto(outcome))
+                    if queued.empty():
+                        break
+                    ahead = queued.get_nowait()
+                    if ahead is None or not ahead[1].done():
+                        ended = ahead is None
+                        break
+                    item, ahead = ahead, None
+                if results:
+                    yield pb.StepResults(results=results)
+                if ended:
                     return
-                room.release()
-                if answers:
-                    yield outcome_to_proto(outcome)
         finally:
             run.stopped = True
             reader.cancel()
             run.skip_unanswered()
+            if ahead is not None:
+                ahead[1].add_done_callback(_ignore_result)
             _discard(queued)
             if run.generation == self._run_generation:
                 dropped = await self._call(self.leader.reset)
                 log.info("run stream closed; dropped %s sequence(s)", dropped)
 
-    async def _queue_steps(self, requests: AsyncIterator[pb.StepPlan], run: _RunState,
+    async def _queue_steps(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
                            queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None],
                            room: asyncio.Semaphore) -> None:
         """Each plan of `requests` onto the worker, in order; None queued at the end."""
         loop = asyncio.get_running_loop()
         step_id = -1
         try:
-            async for msg in requests:
-                if self._superseded(run):
-                    break
-                await room.acquire()
-                step_id = msg.step_id
-                plan = plan_from_proto(msg)
-                future: asyncio.Future[StageOutcome] = loop.create_future()
-                run.outcomes[step_id] = future
-                self._submitted += 1
-                self._worker.submit(self._run_step, loop, run, plan)
-                queued.put_nowait((step_id, future))
+            async for plans in requests:
+                for msg in plans.plans:
+                    if self._superseded(run):
+                        return
+                    await room.acquire()
+                    step_id = msg.step_id
+                    plan = plan_from_proto(msg)
+                    future: asyncio.Future[StageOutcome] = loop.create_future()
+                    run.outcomes[step_id] = future
+                    self._submitted += 1
+                    self._worker.submit(self._run_step, loop, run, plan)
+                    queued.put_nowait((step_id, future))
         except grpc.RpcError as e:  # the client went away: the stream ends
             log.info("run stream: %s", e)
         except Exception as e:  # a plan that does not convert: that step's error

@@ -228,6 +228,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-run-ahead", action="store_true",
                    help="plan a sequence's next step only once its previous token reached the "
                         "router (default: run ahead; the stages feed the token forward)")
+    p.add_argument("--run-ahead-depth", type=int, default=4,
+                   help="with run-ahead, steps of one sequence planned at once (default 4; "
+                        "2 is the least: one planned on another); deeper lets the router "
+                        "send several steps' plans in one message, and a finish learned "
+                        "late costs up to depth - 1 discarded tokens of that sequence")
     p.add_argument("--engine-core", choices=("process", "task"), default="process",
                    help="run the engine core (scheduler, KV, pipeline driver) in its own "
                         "process (default), or as a task of the router's front (debugging)")
@@ -277,7 +282,8 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
         step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
         engine_core=args.engine_core, run_ahead=not args.no_run_ahead,
-        api_processes=args.api_processes, api_keys=api_keys(args),
+        run_ahead_depth=args.run_ahead_depth, api_processes=args.api_processes,
+        api_keys=api_keys(args),
         audit_log=not args.no_audit_log, audit_log_content=args.audit_log_content,
     )
 

@@ -157,6 +157,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--step-timeout", str(args.step_timeout),
               "--stream-interval", str(args.stream_interval),
               "--engine-core", args.engine_core,
+              "--run-ahead-depth", str(args.run_ahead_depth),
               "--api-processes", str(args.api_processes)]
     if args.model_name:
         router += ["--model-name", args.model_name]

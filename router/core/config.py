@@ -22,6 +22,7 @@ class CoreConfig:
         startup_budget_s / recovery_budget_s / step_timeout_s: as `RouterConfig`.
         run_ahead: plan a sequence's next step before its token came back (the stages feed
             the token to the first stage over the data plane).
+        run_ahead_depth: as `RouterConfig`.
     """
 
     model_dir: str
@@ -38,6 +39,7 @@ class CoreConfig:
     recovery_budget_s: float = 60.0
     step_timeout_s: float = 30.0
     run_ahead: bool = True
+    run_ahead_depth: int = 4
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

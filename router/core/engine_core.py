@@ -240,14 +240,25 @@ class EngineCore:
                 continue
             scheduler = self.scheduler
             assert scheduler is not None
-            while self.pipeline.state is PipelineState.READY:
-                plan = scheduler.schedule()
-                if plan is None:
+            while self.pipeline.state is PipelineState.READY and self._room(scheduler):
+                plans = []
+                while (plan := scheduler.schedule()) is not None:
+                    self._sent_at[plan.step_id] = time.monotonic()
+                    self._note_prefix_hits(plan)
+                    plans.append(plan)
+                if not plans:
                     break
-                self._sent_at[plan.step_id] = time.monotonic()
-                self.steps += 1
-                self._note_prefix_hits(plan)
-                await self.pipeline.send(plan)
+                self.steps += len(plans)
+                await self.pipeline.send(plans)
+
+    @staticmethod
+    def _room(scheduler: Scheduler) -> bool:
+        """Whether to plan now: with nothing outstanding, or room for half the outstanding
+        steps allowed (with run-ahead deeper than 2, steps go out several to a message;
+        a gRPC message costs far more than a plan in it)."""
+        limit = scheduler.config.max_outstanding_steps
+        outstanding = scheduler.num_outstanding_steps
+        return outstanding == 0 or limit - outstanding >= max(1, limit // 2)
 
     def _note_prefix_hits(self, plan: StepPlan) -> None:
         """A sequence's first prefill starts at its prefix-cache hits; reported once."""

@@ -35,13 +35,14 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def plan_to_protos(plan: StepPlan, num_stages: int) -> list[pb.StepPlan]:
-    """One message per stage, in pipeline order (the same object where two stages read the
-    same fields): token ids and sampling settings travel to the first and the last stage."""
-    full = _plan_to_proto(plan, with_tokens=True)
+def plans_to_protos(plans: Sequence[StepPlan], num_stages: int) -> list[pb.StepPlans]:
+    """One message per stage carrying every plan of `plans` (consecutive steps, oldest
+    first), in pipeline order (the same object where two stages read the same fields): token
+    ids and sampling settings travel to the first and the last stage."""
+    full = pb.StepPlans(plans=[_plan_to_proto(p, with_tokens=True) for p in plans])
     if num_stages <= 2:
         return [full] * num_stages
-    lean = _plan_to_proto(plan, with_tokens=False)
+    lean = pb.StepPlans(plans=[_plan_to_proto(p, with_tokens=False) for p in plans])
     return [full, *[lean] * (num_stages - 2), full]
 
 

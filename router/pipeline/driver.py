@@ -4,10 +4,11 @@
 plane (each stage i > 0 listens, stage i-1 connects to it; with P > 1 stages the first
 stage listens and the last connects for the feedback link that carries sampled ids back,
 the run-ahead inputs; a fresh token per link) and opens the Run streams. Plans go down
-every stream, each stage getting what it reads (`router.pipeline.convert`); the last stage
-answers every step with its sampled tokens, the others only a step that failed. Any broken
-stream, stage error or step past its timeout marks the pipeline down; `start()` again brings
-it back with a new epoch.
+every stream, each stage getting what it reads (`router.pipeline.convert`), the plans the
+core has ready together in one message; the last stage answers every step with its sampled
+tokens (the answers it has ready together in one message), the others only a step that
+failed. Any broken stream, stage error or step past its timeout marks the pipeline down;
+`start()` again brings it back with a new epoch.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 import grpc
 
-from router.pipeline.convert import plan_to_protos
+from router.pipeline.convert import plans_to_protos
 from router.pipeline.outcome import StepOutcome
 from router.pipeline.shape import PipelineError, PipelineShape, StageInfo, check_shape
 from router.pipeline.stage_client import StageClient, describe_error
@@ -126,26 +127,28 @@ class Pipeline:
             address = await self.stages[0].listen(self.epoch, token, timeout, feedback=True)
             await self.stages[-1].connect(self.epoch, token, address, timeout, feedback=True)
 
-    async def send(self, plan: StepPlan) -> None:
-        """Write one plan to every stage's stream (in pipeline order); a broken stream marks
-        the pipeline down."""
+    async def send(self, plans: Sequence[StepPlan]) -> None:
+        """Write plans of consecutive steps (oldest first) to every stage's stream, one
+        message per stage; a broken stream marks the pipeline down."""
         if self.state is not PipelineState.READY:
             raise PipelineError("pipeline is not ready")
-        messages = plan_to_protos(plan, len(self.stages))
+        messages = plans_to_protos(plans, len(self.stages))
         try:
             await asyncio.gather(*(stage.write(msg)
                                    for stage, msg in zip(self.stages, messages, strict=True)))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
-            self.mark_down(f"sending step {plan.step_id}: {describe_error(e)}")
+            steps = f"step {plans[0].step_id}" + (f"-{plans[-1].step_id}" if len(plans) > 1
+                                                   else "")
+            self.mark_down(f"sending {steps}: {describe_error(e)}")
 
     async def _read(self, stage: StageClient, epoch: int) -> None:
         try:
             while True:
-                answer = await stage.read()
-                if answer.error:
-                    raise PipelineError(answer.error)
-                if answer.outcome is not None and self._current(epoch):
-                    self.on_outcome(answer.outcome)  # never an answer the core forgot
+                for answer in await stage.read():
+                    if answer.error:
+                        raise PipelineError(answer.error)
+                    if answer.outcome is not None and self._current(epoch):
+                        self.on_outcome(answer.outcome)  # never an answer the core forgot
         except asyncio.CancelledError:
             raise
         except (grpc.aio.AioRpcError, PipelineError) as e:

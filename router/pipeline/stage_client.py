@@ -82,20 +82,22 @@ class StageClient:
             self._run.cancel()
             self._run = None
 
-    async def write(self, plan: pb.StepPlan) -> None:
+    async def write(self, plans: pb.StepPlans) -> None:
         """Raises grpc.aio.AioRpcError or asyncio.InvalidStateError on a broken stream."""
         assert self._run is not None, "open_run() first"
-        await self._run.write(plan)
+        await self._run.write(plans)
 
-    async def read(self) -> StageAnswer:
-        """The next StepResult. Raises PipelineError when the stage closed the stream."""
+    async def read(self) -> list[StageAnswer]:
+        """The answers of the next StepResults message, oldest first. Raises PipelineError
+        when the stage closed the stream."""
         assert self._run is not None, "open_run() first"
         msg = await self._run.read()
         if msg is grpc.aio.EOF:
             raise PipelineError(f"stage {self.index} closed its Run stream")
-        assert isinstance(msg, pb.StepResult)
-        outcome = outcome_from_result(msg) if self.is_last and not msg.error else None
-        return StageAnswer(msg.step_id, msg.error, outcome)
+        assert isinstance(msg, pb.StepResults)
+        return [StageAnswer(r.step_id, r.error,
+                            outcome_from_result(r) if self.is_last and not r.error else None)
+                for r in msg.results]
 
     async def drain(self, timeout_s: float) -> None:
         await self.stub.Drain(pb.DrainRequest(), timeout=timeout_s)

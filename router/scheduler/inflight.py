@@ -64,7 +64,7 @@ class InflightSteps:
         self._steps.popleft()
 
     def mark_stale(self, seq_id: int) -> None:
-        """Discard ``seq_id``'s tokens in every outstanding step (at most 2 * P of them)."""
+        """Discard ``seq_id``'s tokens in every outstanding step."""
         for step in self._steps:
             step.stale.add(seq_id)
 

@@ -94,7 +94,7 @@ def _check_inflight(state: SchedulerState) -> None:
     for seq in state.seqs.values():
         _require(seq.num_inflight == inflight[seq.seq_id], f"{seq}: in-flight count drifted")
         _require(seq.num_pending == sampling[seq.seq_id], f"{seq}: pending count drifted")
-    limit = 2 if config.run_ahead else 1
+    limit = config.max_steps_per_seq
     for seq_id, step_ids in steps_of.items():
         _require(len(step_ids) <= limit, f"sequence {seq_id} in steps {step_ids}")
         gaps = [b - a for a, b in pairwise(step_ids)]

@@ -94,7 +94,7 @@ class StepBuilder:
         if not seq.num_inflight:
             return True
         config = self.state.config
-        return (config.run_ahead and seq.num_inflight == 1
+        return (seq.num_inflight < config.max_steps_per_seq
                 and self.step_id - seq.last_step_id >= config.max_inflight_steps)
 
     def _schedule_decodes(self) -> list[Sequence]:

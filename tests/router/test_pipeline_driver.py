@@ -19,7 +19,7 @@ from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
 from router.pipeline import Pipeline, PipelineError
-from router.pipeline.convert import outcome_from_result, plan_to_protos
+from router.pipeline.convert import outcome_from_result, plans_to_protos
 from router.scheduler import CachedSeq, NewSeq, StepPlan
 from tests.default_model import default_model_dir
 from tests.stage_worker.serving import stage_configs, start_stage
@@ -40,7 +40,7 @@ def test_each_stage_gets_what_it_reads() -> None:
                      CachedSeq(4, (), 20, 1, (), 5, True),  # run-ahead: input from step 5
                      CachedSeq(1 << 41, (6, 8), 0, 12, (), None, False)),  # a prefill chunk
         finished_seq_ids=(3,))
-    first, middle, last = plan_to_protos(plan, 3)
+    first, middle, last = (m.plans[0] for m in plans_to_protos([plan], 3))
     for msg in (first, last):
         assert list(msg.new_seqs[0].token_ids) == [5, 6, 7]
         assert msg.new_seqs[0].sampling.seed == 3
@@ -58,7 +58,7 @@ def test_each_stage_gets_what_it_reads() -> None:
     for msg in (first, middle, last):  # what every stage needs
         assert msg.step_id == 7 and list(msg.free_seq_ids) == [3]
         assert list(msg.new_seqs[0].block_ids) == [0] and msg.new_seqs[0].prompt_len == 3
-    assert plan_to_protos(plan, 1) == [first]
+    assert [m.plans[0] for m in plans_to_protos([plan], 1)] == [first]
 
 
 def _columns(batch: pb.CachedBatch) -> dict[str, list[int]]:

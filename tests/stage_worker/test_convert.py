@@ -9,7 +9,7 @@ from array import array
 import pytest
 
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
-from router.pipeline.convert import cached_batch_to_proto, plan_to_protos
+from router.pipeline.convert import cached_batch_to_proto, plans_to_protos
 from router.scheduler import CachedSeq, NewSeq, StepPlan
 from stage_worker.convert import plan_from_proto
 from stage_worker.plan import PlanError, StageCachedSeq, StageNewSeq, StagePlan
@@ -38,8 +38,8 @@ def _stage_view(seq: CachedSeq, with_tokens: bool) -> StageCachedSeq:
 
 def _received(plan: StepPlan, num_stages: int) -> list[StagePlan]:
     """Every stage's plan as it converts it after the wire."""
-    return [plan_from_proto(pb.StepPlan.FromString(msg.SerializeToString()))
-            for msg in plan_to_protos(plan, num_stages)]
+    return [plan_from_proto(pb.StepPlans.FromString(msg.SerializeToString()).plans[0])
+            for msg in plans_to_protos([plan], num_stages)]
 
 
 @pytest.mark.parametrize("cached", [DECODES, PREFILL_CHUNKS, RUN_AHEAD, MIXED, ()],

@@ -37,9 +37,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _scheduler(num_stages: int) -> Scheduler:
+def _scheduler(num_stages: int, depth: int) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
-                             max_inflight_steps=num_stages, run_ahead=True)
+                             max_inflight_steps=num_stages, run_ahead=True,
+                             run_ahead_depth=depth)
     # 8 blocks of 8 for 5 sequences of 5 to 21 + 10 tokens: some get preempted.
     scheduler = Scheduler(config, KVCacheConfig(num_blocks=8, block_size=BLOCK,
                                                 enable_prefix_caching=False))
@@ -50,18 +51,24 @@ def _scheduler(num_stages: int) -> Scheduler:
 
 
 async def _drive(pipeline: Pipeline, scheduler: Scheduler
-                 ) -> tuple[list[StepPlan], dict[int, StepOutcome]]:
-    """Plan while the scheduler has room (ahead of results), apply results as they come;
-    every sequence ends after MAX_TOKENS tokens."""
+                 ) -> tuple[list[StepPlan], dict[int, StepOutcome], int]:
+    """Plan while the scheduler has room (ahead of results; the plans made together go in
+    one message, as the engine core sends them), apply results as they come; every
+    sequence ends after MAX_TOKENS tokens. Also returns the most steps outstanding."""
+    most_outstanding = 0
     outcomes: asyncio.Queue[StepOutcome] = asyncio.Queue()
     pipeline.on_outcome = outcomes.put_nowait
     plans: list[StepPlan] = []
     results: dict[int, StepOutcome] = {}
     generated: dict[int, int] = {}
     while scheduler.has_unfinished:
+        ready = []
         while scheduler.has_capacity and (plan := scheduler.schedule()) is not None:
-            plans.append(plan)
-            await pipeline.send(plan)
+            ready.append(plan)
+        if ready:
+            plans += ready
+            most_outstanding = max(most_outstanding, scheduler.num_outstanding_steps)
+            await pipeline.send(ready)
         outcome = await asyncio.wait_for(outcomes.get(), 30)
         results[outcome.step_id] = outcome
         for seq_id in scheduler.update(outcome.step_id, outcome.tokens).new_tokens:
@@ -71,7 +78,7 @@ async def _drive(pipeline: Pipeline, scheduler: Scheduler
     while len(results) < len(plans):  # steps of late finishes: answered all the same
         outcome = await asyncio.wait_for(outcomes.get(), 30)
         results[outcome.step_id] = outcome
-    return plans, results
+    return plans, results, most_outstanding
 
 
 def _written_out(plan: StepPlan, results: dict[int, StepOutcome]) -> StepPlan:
@@ -89,21 +96,22 @@ async def _replay(pipeline: Pipeline, plans: list[StepPlan]) -> dict[int, StepOu
     outcomes: asyncio.Queue[StepOutcome] = asyncio.Queue()
     pipeline.on_outcome = outcomes.put_nowait
     for plan in plans:
-        await pipeline.send(plan)
+        await pipeline.send([plan])
     got = [await asyncio.wait_for(outcomes.get(), 30) for _ in plans]
     return {o.step_id: o for o in got}
 
 
-@pytest.mark.parametrize("num_stages", [1, 2, 3])
+@pytest.mark.parametrize(("num_stages", "depth"), [(1, 2), (2, 2), (3, 2), (1, 4), (2, 4)])
 def test_run_ahead_gives_the_tokens_of_the_same_plans_written_out(checkpoint: Path,
-                                                                  num_stages: int) -> None:
+                                                                  num_stages: int,
+                                                                  depth: int) -> None:
     configs = stage_configs(checkpoint, num_stages, block_size=BLOCK, num_blocks=32,
                             max_num_batched_tokens=64, max_num_seqs=4, step_timeout_s=20.0)
 
     overlapped: list[int] = []
 
     async def body() -> tuple[list[StepPlan], dict[int, StepOutcome], dict[int, StepOutcome],
-                              list[str]]:
+                              list[str], int]:
         stages = [await start_stage(c) for c in configs]
         leader = stages[0].servicer.leader
         pipeline = Pipeline([s.address for s in stages])
@@ -111,20 +119,22 @@ def test_run_ahead_gives_the_tokens_of_the_same_plans_written_out(checkpoint: Pa
         pipeline.on_failure = failures.append
         try:
             await pipeline.start(10)
-            plans, results = await _drive(pipeline, _scheduler(num_stages))
+            plans, results, most = await _drive(pipeline, _scheduler(num_stages, depth))
             overlapped.append(leader.steps_overlapped)
             await pipeline.start(10)  # a new epoch and Run: the stages start empty
             replayed = await _replay(pipeline, [_written_out(p, results) for p in plans])
-            return plans, results, replayed, failures
+            return plans, results, replayed, failures, most
         finally:
             await pipeline.close(drain=False)
             for stage in stages:
                 await stage.stop()
 
-    plans, results, replayed, failures = asyncio.run(body())
+    plans, results, replayed, failures, most_outstanding = asyncio.run(body())
     assert failures == []
     ahead = [s for p in plans for s in p.cached_seqs if s.input_from_step is not None]
     assert len(ahead) >= 10  # run-ahead was exercised, and so was preemption:
+    if depth > 2:  # more steps outstanding than one planned on another allows
+        assert most_outstanding > 2 * num_stages
     assert any(p.preempted_seq_ids for p in plans)
     if num_stages == 1:  # steps queued behind a pending one, run-ahead inputs read on device
         assert overlapped[0] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 from array import array
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -61,10 +62,33 @@ async def serving_servicer(servicer: StageServicer
         servicer.close()
 
 
+class RunStream:
+    """A Run stream as one plan per message down and one result at a time up (results that
+    came in one message are handed out one by one)."""
+
+    def __init__(self, stub: stage_pb2_grpc.StageServiceStub) -> None:
+        self.call = stub.Run()
+        self._results: deque[pb.StepResult] = deque()
+
+    async def write(self, plan: pb.StepPlan) -> None:
+        await self.call.write(pb.StepPlans(plans=[plan]))
+
+    async def read(self) -> pb.StepResult | object:
+        while not self._results:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return msg
+            self._results.extend(msg.results)
+        return self._results.popleft()
+
+    async def done_writing(self) -> None:
+        await self.call.done_writing()
+
+
 async def run_plans(stub: stage_pb2_grpc.StageServiceStub,
                     plans: list[pb.StepPlan]) -> list[pb.StepResult]:
     """Send `plans` on one Run stream, one at a time; results up to the stream's end."""
-    call = stub.Run()
+    call = RunStream(stub)
     results = []
     for plan in plans:
         await call.write(plan)
@@ -119,7 +143,7 @@ def test_describe_and_greedy_tokens_match_the_offline_pipeline(checkpoint: Path)
             info = await stub.Describe(pb.DescribeRequest())
             plans = [prefill([10, 11], prompts, tables)]
             got: list[list[int]] = [[], []]
-            call = stub.Run()
+            call = RunStream(stub)
             for step in range(MAX_NEW):
                 await call.write(plans[-1])
                 result = await call.read()
@@ -173,6 +197,41 @@ def test_a_plan_over_capacity_is_an_error_naming_the_limit(checkpoint: Path, pla
     assert sampled(results[1]) == []
     assert re.search(limit, results[1].error), results[1].error
     assert after.num_sequences == 0  # the failed stream dropped what it held
+
+
+
+def test_plans_of_several_steps_in_one_message(checkpoint: Path) -> None:
+    """The router sends the plans it has ready together: a prefill and run-ahead decodes
+    (each taking its input from the step before) in one message give the offline greedy
+    tokens, answered in step order, the answers ready together in one message."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 160, (n,), generator=gen).tolist() for n in (6, 11)]
+    want = greedy_generate(LocalPipeline(LocalPipelineConfig(checkpoint, 1, block_size=BLOCK,
+                                                             num_blocks=BLOCKS)),
+                           prompts, max_new_tokens=MAX_NEW)
+    cfg = StageConfig(checkpoint, block_size=BLOCK, num_blocks=BLOCKS,
+                      max_num_batched_tokens=MAX_TOKENS, max_num_seqs=MAX_SEQS)
+    plans = [prefill([4, 5], prompts, [[0, 1, 2], [3, 4, 5]])]
+    for step in range(1, MAX_NEW):
+        cached = [CachedSeq(seq_id, (), len(p) + step - 1, 1, (), step - 1, True)
+                  for seq_id, p in zip((4, 5), prompts, strict=True)]
+        plans.append(pb.StepPlan(step_id=step,
+                                 cached_batch=cached_batch_to_proto(cached, True)))
+
+    async def body() -> list[pb.StepResults]:
+        async with serving(cfg) as stub:
+            call = stub.Run()
+            await call.write(pb.StepPlans(plans=plans))
+            await call.done_writing()
+            return [m async for m in call]
+
+    messages = asyncio.run(body())
+    results = [r for m in messages for r in m.results]
+    assert [r.step_id for r in results] == list(range(MAX_NEW))
+    assert not any(r.error for r in results)
+    got = [[t for r in results for s, t in sampled(r) if s == seq_id] for seq_id in (4, 5)]
+    assert got == want
+    assert len(messages) <= len(results)
 
 
 def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
@@ -278,7 +337,7 @@ def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: 
 
     async def body() -> list[pb.StepResult]:
         async with serving_servicer(servicer) as stub:
-            call = stub.Run()
+            call = RunStream(stub)
             plans = [prefill([1], [[1, 2, 3]], [[0]]), decode(1), decode(2, seq_id=9),
                      decode(3), decode(4)]
             for plan in plans:
