@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from foundation.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ class StagePlan:
     free_seq_ids: tuple[int, ...]
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst), applied before the step
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.new_seqs) + sum(s.num_new for s in self.cached_seqs)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class _RunState:
     outcome of every step queued and not yet answered (by step id)."""
 
     generation: int
+    settler: _Settler
     stopped: bool = False
     outcomes: dict[int, asyncio.Future[StageOutcome]] = field(default_factory=dict)
 
@@ -71,6 +73,40 @@ def _settle(future: asyncio.Future[StageOutcome], outcome: StageOutcome | None,
         future.set_exception(error)
     else:
         future.set_result(outcome)  # type: ignore[arg-type]
+
+
+_Settlement = tuple[asyncio.Future[StageOutcome], StageOutcome | None, BaseException | None]
+
+
+class _Settler:
+    """Hands the worker's outcomes to the event loop, one wake-up for all that are ready.
+
+    The worker `put`s; the first put after the loop drained schedules one drain on the loop
+    (a thread-safe call is a syscall and a loop wake-up: per step it cost as much as the
+    rest of a non-last stage's answer path). Relies on the GIL for the deque and the flag:
+    the flag is cleared before the drain reads, so a put racing with a drain at worst
+    schedules one drain that finds nothing.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._ready: deque[_Settlement] = deque()
+        self._scheduled = False
+
+    def put(self, future: asyncio.Future[StageOutcome], outcome: StageOutcome | None,
+            error: BaseException | None) -> None:
+        """Worker thread."""
+        self._ready.append((future, outcome, error))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        """Loop thread."""
+        self._scheduled = False
+        ready = self._ready
+        while ready:
+            _settle(*ready.popleft())
 
 
 @dataclass(frozen=True)
@@ -174,7 +210,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._run_generation += 1
         if self._run is not None:  # superseded: its handler stops waiting
             self._run.skip_unanswered()
-        run = self._run = _RunState(self._run_generation)
+        run = self._run = _RunState(self._run_generation,
+                                    _Settler(asyncio.get_running_loop()))
         answers = self.leader.rank.is_last  # others answer only a failed step
         await self._call(self.leader.reset)
         queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
@@ -241,7 +278,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     future: asyncio.Future[StageOutcome] = loop.create_future()
                     run.outcomes[step_id] = future
                     self._submitted += 1
-                    self._worker.submit(self._run_step, loop, run, plan)
+                    self._worker.submit(self._run_step, run, plan)
                     queued.put_nowait((step_id, future))
         except grpc.RpcError as e:  # the client went away: the stream ends
             log.info("run stream: %s", e)
@@ -252,8 +289,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         finally:
             queued.put_nowait(None)
 
-    def _run_step(self, loop: asyncio.AbstractEventLoop, run: _RunState,
-                  plan: StagePlan) -> None:
+    def _run_step(self, run: _RunState, plan: StagePlan) -> None:
         """Worker thread: `plan`'s step, unless its run stopped, failed or was superseded;
         each outcome (this step's, or an earlier one left pending) settles its future."""
         self._started += 1
@@ -261,12 +297,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         def deliver(outcome: StageOutcome) -> None:
             future = run.outcomes.pop(outcome.step_id, None)
             if future is not None:
-                loop.call_soon_threadsafe(_settle, future, outcome, None)
+                run.settler.put(future, outcome, None)
 
         def fail(error: BaseException) -> None:
             future = run.outcomes.pop(plan.step_id, None)
             if future is not None:
-                loop.call_soon_threadsafe(_settle, future, None, error)
+                run.settler.put(future, None, error)
 
         leader = self.leader
         if run.stopped or self._superseded(run):
