@@ -262,6 +262,9 @@ def _supervise(children: list[Child], stop: dict[str, int]) -> None:
             if c.restart_at is not None:
                 if now >= c.restart_at:
                     c.start()
+                    assert c.proc is not None
+                    print(f"stagemesh serve: {c.role} restarted, pid {c.proc.pid}",
+                          file=sys.stderr, flush=True)
                 continue
             if c.proc.poll() is None:
                 continue

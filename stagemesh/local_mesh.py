@@ -89,6 +89,15 @@ class Mesh:
             re.match(r"\s+(stage \d+|router|gateway)\s+pid (\d+)", line)
             for line in self.proc.lines) if m}
 
+    def pid(self, role: str) -> int:
+        """The pid of `role` ("stage 0", "router", "gateway") now: the latest restart's
+        (serve restarts a stage or the gateway that dies), else the one it started with."""
+        for line in reversed(self.proc.lines):
+            m = re.search(rf"stagemesh serve: {role} restarted, pid (\d+)", line)
+            if m:
+                return int(m.group(1))
+        return self.pids[role]
+
     def __enter__(self) -> Mesh:
         return self
 

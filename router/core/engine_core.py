@@ -100,6 +100,7 @@ class EngineCore:
         self.stopped = asyncio.Event()  # a front said Shutdown
         self._sent_at: dict[int, float] = {}
         self._down_since: float | None = None
+        self._down_reason = ""  # why the pipeline is down: the failure, then the last retry
         self._was_ready = False
         self.start_error: CoreState | None = None  # set when start() failed
 
@@ -196,8 +197,9 @@ class EngineCore:
         if front in self._gone_fronts:  # sent just before that front died
             return
         if scheduler is None or self._down_past_budget():
-            self.sink.send(front, Failed(msg.seq_ids, "the pipeline is down past its recovery "
-                                                      "budget" if scheduler else "starting"))
+            self.sink.send(front, Failed(msg.seq_ids, (
+                f"the pipeline is down past its recovery budget: {self._down_reason}"
+                if scheduler else "starting")))
             return
         if self.ledger.is_live(msg.request_id):  # request ids are unique across fronts
             self.sink.send(front, Refused(msg.seq_ids, "already_exists",
@@ -325,6 +327,7 @@ class EngineCore:
         """A stage failed: keep every request (the core has its tokens), preempt all
         sequences for recompute, and re-link when the stages are back."""
         self._down_since = time.monotonic()
+        self._down_reason = reason
         self._sent_at.clear()
         assert self.scheduler is not None
         preempted = self.scheduler.preempt_all()
@@ -339,6 +342,7 @@ class EngineCore:
         try:
             await self.pipeline.start(max(budget, 0.0))
         except Exception as e:
+            self._down_reason = str(e)
             self._fail_all(f"pipeline stage unavailable past the recovery budget: {e}")
             await asyncio.sleep(1.0)
             self._wake.set()  # keep trying in the background; readiness stays NOT_SERVING

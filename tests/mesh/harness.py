@@ -11,7 +11,10 @@ from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from stagemesh.local_mesh import Mesh, Proc, free_port
 
-__all__ = ["Mesh", "Proc", "free_port", "inference_pb2_grpc", "readiness", "wait_idle"]
+__all__ = ["NOT_SERVING", "SERVING", "Mesh", "Proc", "free_port", "inference_pb2_grpc",
+           "readiness", "wait_idle", "wait_status"]
+
+SERVING, NOT_SERVING = 1, 2
 
 
 def readiness(address: str) -> int:
@@ -20,6 +23,19 @@ def readiness(address: str) -> int:
         stub = health_pb2_grpc.HealthStub(ch)
         reply = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
         return int(reply.status)
+
+
+def wait_status(address: str, want: int, timeout: float) -> None:
+    """Poll the `readiness` status until it is `want` (the listener may not be up yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if readiness(address) == want:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"readiness never became {want} within {timeout:.0f}s")
 
 
 def wait_idle(stub: inference_pb2_grpc.InferenceServiceStub, timeout: float = 20.0

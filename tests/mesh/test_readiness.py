@@ -13,28 +13,21 @@ import pytest
 from protos.stagemesh.v1 import inference_pb2_grpc
 from router.client import RouterClient
 from tests.default_model import default_model_dir
-from tests.mesh.harness import Proc, free_port, readiness, wait_idle
+from tests.mesh.harness import (
+    NOT_SERVING,
+    SERVING,
+    Proc,
+    free_port,
+    readiness,
+    wait_idle,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
-
-SERVING, NOT_SERVING = 1, 2
-
 
 def _stage(port: int) -> Proc:
     return Proc([sys.executable, "-m", "stagemesh", "stage", "--model", str(default_model_dir()),
                  "--device", "cpu", "--num-blocks", "128", "--port", str(port)])
-
-
-def _wait_status(address: str, want: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if readiness(address) == want:
-                return
-        except Exception:  # the listener may not be up yet
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"readiness never became {want}")
 
 
 def test_readiness_tracks_the_stage_and_requests_survive_a_restart() -> None:
@@ -47,11 +40,11 @@ def test_readiness_tracks_the_stage_and_requests_survive_a_restart() -> None:
     stage = None
     restarted: list[Proc] = []
     try:
-        _wait_status(address, NOT_SERVING, 30)  # listening, no stage yet
+        wait_status(address, NOT_SERVING, 30)  # listening, no stage yet
         time.sleep(1.0)
         assert readiness(address) == NOT_SERVING
         stage = _stage(stage_port)
-        _wait_status(address, SERVING, 120)
+        wait_status(address, SERVING, 120)
 
         messages = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -77,14 +70,14 @@ def test_readiness_tracks_the_stage_and_requests_survive_a_restart() -> None:
                 tasks = [asyncio.create_task(one()) for _ in range(4)]
                 await started.wait()  # mid-stream
                 stage.proc.kill()
-                await asyncio.to_thread(_wait_status, address, NOT_SERVING, 60)
+                await asyncio.to_thread(wait_status, address, NOT_SERVING, 60)
                 restarted.append(_stage(stage_port))
                 return list(await asyncio.gather(*tasks))
 
         want = asyncio.run(reference())
         texts = asyncio.run(with_fault())
         assert texts == [want] * 4  # the same text a fault-free run gives (greedy)
-        _wait_status(address, SERVING, 30)
+        wait_status(address, SERVING, 30)
         wait_idle(inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(address)))
     finally:
         router.stop()

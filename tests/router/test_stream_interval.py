@@ -1,9 +1,9 @@
 """`--stream-interval`: updates carry that many tokens, and nothing but their grouping
 changes. The default model computes for real (1 stage, in process); every request is run
 at interval 1 and at interval 4 and compared choice by choice: text, token ids, finish
-reasons and usage exactly, logprobs to fp32 rounding. At interval > 1 a choice without stop strings holds its tokens and
-decodes them together when its update is due; one with stop strings decodes each token as
-it comes, so it still ends exactly at the stop string."""
+reasons and usage exactly, logprobs to fp32 rounding. At interval > 1 a choice without
+stop strings holds its tokens and decodes them together when its update is due; one with
+stop strings decodes each token as it comes, so it still ends exactly at the stop string."""
 
 from __future__ import annotations
 
