@@ -18,6 +18,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
 
@@ -71,6 +72,7 @@ class Pipeline:
         self.shape: PipelineShape | None = None
         self.epoch = 0
         self._readers: list[asyncio.Task[None]] = []
+        self._due: deque[int] = deque()  # step ids sent and not answered, oldest first
 
     async def start(self, budget_s: float) -> PipelineShape:
         """Describe, validate, link and open streams, retrying until `budget_s` runs out.
@@ -102,6 +104,7 @@ class Pipeline:
             raise PipelineError(short)
         self.shape = self.shape or shape
         self.epoch += 1
+        self._due = deque()
         await self._link()
         for stage in self.stages:
             stage.open_run()
@@ -133,6 +136,7 @@ class Pipeline:
         if self.state is not PipelineState.READY:
             raise PipelineError("pipeline is not ready")
         messages = plans_to_protos(plans, len(self.stages))
+        self._due.extend(plan.step_id for plan in plans)
         try:
             await asyncio.gather(*(stage.write(msg)
                                    for stage, msg in zip(self.stages, messages, strict=True)))
@@ -148,6 +152,10 @@ class Pipeline:
                     if answer.error:
                         raise PipelineError(answer.error)
                     if answer.outcome is not None and self._current(epoch):
+                        due = self._due.popleft() if self._due else None
+                        if answer.step_id != due:  # a confused stage: never guess
+                            raise PipelineError(f"answered step {answer.step_id} where step "
+                                                f"{due} was due")
                         self.on_outcome(answer.outcome)  # never an answer the core forgot
         except asyncio.CancelledError:
             raise
