@@ -37,6 +37,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READINESS_POLL_S = 0.1
 DRAIN_POLL_S = 0.05
+MAX_STREAMS_PER_CONNECTION = 1024  # concurrent calls on one client connection
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,13 @@ class FrontServer:
         interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
         # SO_REUSEPORT (gRPC's default on Linux, asked for here because the design relies on
         # it): every front binds the same host:port and the kernel spreads connections.
+        # A stated stream limit per connection: past it a new call is refused by HTTP/2
+        # (REFUSED_STREAM: UNAVAILABLE, safe to retry) where gRPC's own overload handling
+        # would end it CANCELLED, which a client reads as its own doing.
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", cfg.max_request_bytes),
             ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.so_reuseport", 1)])
         add_services(self.server, self.servicer, self.health)
         self._tasks: list[asyncio.Task[None]] = []
