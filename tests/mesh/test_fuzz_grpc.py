@@ -66,7 +66,8 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
             st.lists(st.tuples(role, _text), max_size=3)))
         if draw(st.booleans()):
             req.chat.add_generation_prompt = draw(st.booleans())
-    valid = {"temperature": st.floats(0, 2, width=32), "top_p": st.floats(0, 1, width=32, exclude_min=True),
+    valid = {"temperature": st.floats(0, 2, width=32),
+             "top_p": st.floats(0, 1, width=32, exclude_min=True),
              "min_p": st.floats(0, 1, width=32),
              "repetition_penalty": st.floats(0.5, 2, width=32),
              "presence_penalty": st.floats(-2, 2, width=32),
