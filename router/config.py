@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation.tls import ClientTls, ServerTls
@@ -34,6 +34,9 @@ class RouterConfig:
         run_ahead: plan a sequence's next step before its token came back to the router
             (the stages feed it to the first stage over the data plane); the output is the
             same either way. Off: every step waits for the previous one's tokens.
+        stage_token: the secret this router presents on every call to its stages (metadata
+            `authorization: Bearer`), which they require when they were given one: a stage
+            serves only its paired router. Empty: none.
         run_ahead_depth: with run_ahead, steps of one sequence outstanding at once (>= 2);
             up to stages * depth steps are outstanding, and the core sends the plans it
             has ready together in one message per stage.
@@ -71,6 +74,7 @@ class RouterConfig:
     engine_core: str = "process"
     run_ahead: bool = True
     run_ahead_depth: int = 4
+    stage_token: str = field(default="", repr=False)
     api_processes: int = 1
     audit_log: bool = True
     audit_log_content: bool = False

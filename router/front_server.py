@@ -24,7 +24,7 @@ from foundation.api_keys import ApiKeys
 from foundation.tls import ServerTls, add_port
 from foundation.tokenizer import ModelTokenizer
 from router.audit import AuditLog
-from router.auth import ApiKeyInterceptor
+from router.auth import api_key_interceptor
 from router.config import RouterConfig
 from router.core.channel import FrontEndpoint
 from router.frontend import Frontend
@@ -99,7 +99,7 @@ class FrontServer:
         self.servicer = InferenceServicer(self.front, tokenizer, cfg.model_name,
                                           AuditLog(cfg.audit_log, cfg.audit_log_content))
         self.health = health.HealthServicer()
-        interceptors = [ApiKeyInterceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
+        interceptors = [api_key_interceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
         # SO_REUSEPORT (gRPC's default on Linux, asked for here because the design relies on
         # it): every front binds the same host:port and the kernel spreads connections.
         # A stated stream limit per connection: past it a new call is refused by HTTP/2

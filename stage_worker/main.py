@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from foundation.api_keys import ApiKeys
+from foundation.grpc_auth import BearerInterceptor
 from foundation.ports import free_port
 from foundation.tls import ListenError, ServerTls, add_port
 from kernels.platform import distributed_backend
@@ -31,6 +33,10 @@ log = logging.getLogger("stagemesh.stage")
 
 # Activations never travel over gRPC, but a plan for a long prompt carries its token ids.
 MAX_MESSAGE_BYTES = 64 << 20
+PAIRED_PREFIX = "/stagemesh.stage.v1.StageService/"
+NOT_PAIRED = ("this stage serves only its paired router: the call lacks the pipeline's stage "
+              "token (metadata 'authorization: Bearer <token>'; the router's "
+              "--stage-token-file or $STAGEMESH_STAGE_TOKEN)")
 
 
 def spawn_tp_ranks(cfg: StageConfig, init_url: str) -> list[subprocess.Popen[bytes]]:
@@ -59,15 +65,20 @@ def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
 
 
 async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
-                      tls: ServerTls | None = None) -> int:
-    """`tls`: serve the control API over TLS (mutual with a client CA); None = plaintext."""
+                      tls: ServerTls | None = None, stage_token: str = "") -> int:
+    """`tls`: serve the control API over TLS (mutual with a client CA); None = plaintext.
+    `stage_token`: the pairing secret a caller of the StageService must present (see
+    `foundation.grpc_auth`); "" = any caller (that TLS lets through)."""
     init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
     ranks = spawn_tp_ranks(cfg, init_url)
     tp = init_tp_group(0, cfg.tp_size, init_url, distributed_backend(rank_device(cfg, 0)))
     servicer = stage_servicer(cfg, tp)
     identity = servicer.identity
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    interceptors = [BearerInterceptor(ApiKeys([stage_token]), PAIRED_PREFIX, NOT_PAIRED)
+                    ] if stage_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     health_srv = health_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_srv, server)
@@ -129,7 +140,7 @@ async def _wait_for_stop(ranks: list[subprocess.Popen[bytes]]) -> int:
 
 
 def run_stage(cfg: StageConfig, ready_file: Path | None = None,
-              tls: ServerTls | None = None) -> int:
+              tls: ServerTls | None = None, stage_token: str = "") -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"[stage {cfg.stage_index}] %(message)s", stream=sys.stderr)
     try:
@@ -139,7 +150,7 @@ def run_stage(cfg: StageConfig, ready_file: Path | None = None,
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         pass
     try:
-        return asyncio.run(serve_stage(cfg, ready_file, tls))
+        return asyncio.run(serve_stage(cfg, ready_file, tls, stage_token))
     except ListenError as e:
         log.error("%s", e)
         return 1

@@ -92,6 +92,7 @@ def _add_stage(commands: SubParsers) -> None:
     _add_compression_arg(p)
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
+    _add_stage_token_arg(p, "only a router that presents it may call this stage")
     _add_server_tls_args(p)
     p.set_defaults(handler=_stage)
 
@@ -140,7 +141,7 @@ def _stage(args: argparse.Namespace) -> int:
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
         enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
     )
-    return run_stage(cfg, args.ready_file, server_tls_of(args))
+    return run_stage(cfg, args.ready_file, server_tls_of(args), stage_token_of(args))
 
 
 def _add_server_tls_args(p: argparse.ArgumentParser) -> None:
@@ -164,6 +165,29 @@ def add_client_tls_args(p: argparse.ArgumentParser, peer: str) -> None:
                    help=f"client certificate for mutual TLS with the {peer} [${env}_CERT]")
     p.add_argument(f"--{peer}-tls-key", type=Path, default=_env_path(f"{env}_KEY"),
                    help=f"private key of --{peer}-tls-cert [${env}_KEY]")
+
+
+def _add_stage_token_arg(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--stage-token-file", type=Path, default=None,
+                   help=f"file holding the pipeline's pairing secret: {role} "
+                        "[$STAGEMESH_STAGE_TOKEN holds the secret itself; `serve` makes one]")
+
+
+def stage_token_of(args: argparse.Namespace) -> str:
+    """The pairing secret: --stage-token-file's content, else $STAGEMESH_STAGE_TOKEN, else
+    none ("")."""
+    from foundation.grpc_auth import STAGE_TOKEN_ENV
+
+    if args.stage_token_file is not None:
+        try:
+            token = args.stage_token_file.read_text().strip()
+        except OSError as e:
+            raise SystemExit(f"stagemesh {args.command}: --stage-token-file: {e}") from None
+        if not token:
+            raise SystemExit(f"stagemesh {args.command}: --stage-token-file "
+                             f"{args.stage_token_file} is empty")
+        return token
+    return os.environ.get(STAGE_TOKEN_ENV, "").strip()
 
 
 def _env_path(name: str) -> Path | None:
@@ -262,6 +286,7 @@ def _add_router(commands: SubParsers) -> None:
     p.add_argument("--ready-file", default=None)
     _add_router_args(p)
     _add_server_tls_args(p)
+    _add_stage_token_arg(p, "presented on every call to the stages")
     add_client_tls_args(p, "stage")
     p.set_defaults(handler=_router)
 
@@ -297,7 +322,8 @@ def _router(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     cfg = replace(router_config(args, stages),
-                  tls=server_tls_of(args), stage_tls=client_tls_of(args, "stage"))
+                  tls=server_tls_of(args), stage_tls=client_tls_of(args, "stage"),
+                  stage_token=stage_token_of(args))
     return run_router(cfg, args.ready_file)
 
 

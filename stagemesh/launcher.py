@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from foundation.grpc_auth import STAGE_TOKEN_ENV
 from foundation.modelstore import resolve_model
 from foundation.ports import free_port
 
@@ -135,6 +137,9 @@ def build_children(args: argparse.Namespace, workdir: Path,
     """`api_keys`: accepted by the router and the gateway (the gateway presents one)."""
     py = [sys.executable, "-m", "stagemesh"]
     model = str(resolve_model(args.model))
+    # The pairing secret of this pipeline: its stages serve only this router. In the
+    # environment, never in argv; one per launch unless $STAGEMESH_STAGE_TOKEN names it.
+    pairing = {STAGE_TOKEN_ENV: os.environ.get(STAGE_TOKEN_ENV) or secrets.token_urlsafe(32)}
     children = []
     stage_addresses = []
     devices = _stage_devices(args)
@@ -144,7 +149,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
         argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--port", str(port),
                 "--ready-file", str(workdir / f"stage{i}"),
                 *_stage_flags(args, device, devices.count(device))]
-        children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True))
+        children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True,
+                              env=pairing))
     router = [*py, "router", "--model", model, "--stages", ",".join(stage_addresses),
               "--host", args.host, "--port", str(args.port), "--ready-file",
               str(workdir / "router"), "--max-num-seqs", str(args.max_num_seqs),
@@ -173,7 +179,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
     # gateway accept the same keys; the gateway presents one of them to the router.
     keys = sorted(api_keys)
     key_env = {"STAGEMESH_API_KEYS": ",".join(keys)} if keys else {}
-    children.append(Child("router", router, workdir / "router", restart=False, env=key_env))
+    children.append(Child("router", router, workdir / "router", restart=False,
+                          env={**key_env, **pairing}))
     if args.gateway_port:
         gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
                    "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway"),

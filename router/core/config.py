@@ -3,7 +3,7 @@ JSON on its stdin (no pickle)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -23,6 +23,7 @@ class CoreConfig:
         run_ahead: plan a sequence's next step before its token came back (the stages feed
             the token to the first stage over the data plane).
         run_ahead_depth: as `RouterConfig`.
+        stage_token: as `RouterConfig`.
     """
 
     model_dir: str
@@ -40,6 +41,7 @@ class CoreConfig:
     step_timeout_s: float = 30.0
     run_ahead: bool = True
     run_ahead_depth: int = 4
+    stage_token: str = field(default="", repr=False)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

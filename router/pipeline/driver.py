@@ -59,11 +59,12 @@ class Pipeline:
     """
 
     def __init__(self, addresses: list[str], connect_timeout_s: float = 10.0,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 stage_token: str = "") -> None:
         if not addresses:
             raise PipelineError("a pipeline needs at least one stage address")
         last = len(addresses) - 1
-        self.stages = [StageClient(i, a, i == last, credentials)
+        self.stages = [StageClient(i, a, i == last, credentials, stage_token)
                        for i, a in enumerate(addresses)]
         self.on_outcome: OutcomeHandler = _ignore_outcome
         self.on_failure: FailureHandler = _ignore_failure

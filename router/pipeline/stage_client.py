@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from foundation.grpc_auth import bearer_metadata
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc
 from router.pipeline.convert import (
@@ -36,8 +37,10 @@ class StageClient:
     """One stage's control channel. Single event loop; not thread-safe."""
 
     def __init__(self, index: int, address: str, is_last: bool,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 stage_token: str = "") -> None:
         self.index = index
+        self.metadata = bearer_metadata(stage_token)  # on every call: the pairing
         self.address = address
         self.is_last = is_last
         self.channel = (grpc.aio.secure_channel(address, credentials, CHANNEL_OPTIONS)
@@ -50,8 +53,8 @@ class StageClient:
         """The stage's identity and capacity; an unreachable stage raises PipelineError
         naming it."""
         try:
-            return info_from_describe(await self.stub.Describe(pb.DescribeRequest(),
-                                                               timeout=timeout_s))
+            return info_from_describe(await self.stub.Describe(
+                pb.DescribeRequest(), timeout=timeout_s, metadata=self.metadata))
         except grpc.aio.AioRpcError as e:
             raise PipelineError(f"stage {self.index} at {self.address}: "
                                 f"{describe_error(e)}") from e
@@ -62,7 +65,7 @@ class StageClient:
         for the last stage's sampled ids); returns the host:port to dial."""
         host = self.address.rpartition(":")[0] or "127.0.0.1"
         reply = await self.stub.Connect(listen_request(epoch, token, host, feedback),
-                                        timeout=timeout_s)
+                                        timeout=timeout_s, metadata=self.metadata)
         return str(reply.address)
 
     async def connect(self, epoch: int, token: bytes, address: str, timeout_s: float,
@@ -70,12 +73,12 @@ class StageClient:
         """Make this stage dial its downstream neighbour (`feedback`: the last stage, the
         first stage's feedback listener) at `address`."""
         await self.stub.Connect(connect_request(epoch, token, address, feedback),
-                                timeout=timeout_s)
+                                timeout=timeout_s, metadata=self.metadata)
 
     def open_run(self) -> None:
         """Open a new Run stream (the stage drops every sequence of an older one)."""
         self.close_run()
-        self._run = self.stub.Run()
+        self._run = self.stub.Run(metadata=self.metadata)
 
     def close_run(self) -> None:
         if self._run is not None:
@@ -100,7 +103,7 @@ class StageClient:
                 for r in msg.results]
 
     async def drain(self, timeout_s: float) -> None:
-        await self.stub.Drain(pb.DrainRequest(), timeout=timeout_s)
+        await self.stub.Drain(pb.DrainRequest(), timeout=timeout_s, metadata=self.metadata)
 
     async def close(self) -> None:
         self.close_run()

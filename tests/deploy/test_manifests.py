@@ -192,3 +192,12 @@ def test_router_and_gateway_share_optional_api_keys() -> None:
     for c in (router, gateway):
         assert all(e["valueFrom"]["secretKeyRef"]["optional"] for e in c.spec["env"]
                    if "secretKeyRef" in e.get("valueFrom", {}))
+
+
+def test_router_and_stages_share_the_optional_pairing_secret() -> None:
+    (router,) = role(BASE, "router")
+    stages = role(BASE, "stage")
+    assert len(stages) == 2
+    want = _secret_refs(router)["STAGEMESH_STAGE_TOKEN"]
+    for stage in stages:
+        assert _secret_refs(stage)["STAGEMESH_STAGE_TOKEN"] == want

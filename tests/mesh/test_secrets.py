@@ -1,7 +1,8 @@
 """No secret in any log line of a full run: `stagemesh serve` with two stages (data-plane
-links with their tokens), API keys and the gateway; calls with the right key, a wrong one and
-none, over gRPC and HTTP; then every line the router, the stages and the gateway wrote is
-searched for the keys, bearer headers and anything that looks like a link token."""
+links with their tokens, the stages' pairing secret), API keys and the gateway; calls with
+the right key, a wrong one and none, over gRPC and HTTP; then every line the router, the
+stages and the gateway wrote is searched for the keys, the pairing secret, bearer headers
+and anything that looks like a link token."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ from tests.mesh.harness import Mesh, free_port
 pytestmark = pytest.mark.slow
 
 KEY = "sk-live-7f3a9c2e51b84d06"
+PAIRING = "pairing-3b9f0c1d7e2a4f68a5c9"  # the stages' secret, given to serve
 WRONG = "sk-wrong-0d9e8f7a6b5c4d3e"
 # A 32-byte link token printed as hex (64 digits; request ids have 32) or base64, or any
 # bytes repr.
 TOKEN_LIKE = re.compile(r"[0-9a-fA-F]{64}|[A-Za-z0-9+/]{43}=|b'\\x")
 
 
-def test_no_secret_reaches_the_logs() -> None:
+def test_no_secret_reaches_the_logs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAGEMESH_STAGE_TOKEN", PAIRING)
     mesh = Mesh("--stages", "2", "--num-blocks", "128", "--api-key", KEY,
                 gateway_port=free_port())
     try:
@@ -56,7 +59,8 @@ def test_no_secret_reaches_the_logs() -> None:
     lines = list(mesh.proc.lines)
     assert any("pipeline ready" in line for line in lines)  # the run really logged
     leaks = [line for line in lines
-             if KEY in line or WRONG in line or "Bearer" in line or TOKEN_LIKE.search(line)]
+             if KEY in line or WRONG in line or PAIRING in line or "Bearer" in line
+             or TOKEN_LIKE.search(line)]
     assert leaks == []
     audit = [json.loads(line) for line in lines if line.startswith('{"time"')]
     assert {a["request_id"] for a in audit} >= {"s-1"}
