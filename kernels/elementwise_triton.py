@@ -1,7 +1,9 @@
-"""Triton kernels for the per-token ops of a decoder layer: RMSNorm and SiLU-and-mul.
+"""Triton kernels for the per-token ops of a decoder layer: RMSNorm, the residual add fused
+with the RMSNorm after it, and SiLU-and-mul.
 
 Same contracts as the torch references (`kernels.rms_norm.rms_norm_ref`,
-`kernels.activation.silu_and_mul_ref`), which stay the CPU path and the oracle. Each
+`kernels.rms_norm.add_rms_norm_ref`, `kernels.activation.silu_and_mul_ref`), which stay the
+CPU path and the oracle. Each
 replaces a chain of torch kernels (RMSNorm: square, mean, rsqrt, two multiplies and casts)
 with one pass over the data: at decode batch sizes those chains were hundreds of small
 kernels per step, and at prefill they moved the activations several times.
@@ -43,6 +45,41 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), cols, eps,
                               BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, n_cols, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+    s = (x + r).to(S.dtype.element_ty)  # rounded as torch's add rounds it
+    tl.store(S + row * stride_s + cols, s, mask=ok)
+    s32 = s.to(tl.float32)
+    var = tl.sum(s32 * s32, axis=0) / n_cols
+    normed = (s32 * tl.rsqrt(var + eps)).to(Y.dtype.element_ty)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] (rows contiguous, one dtype), weight [H] -> (rms_norm(x + residual),
+    x + residual), both [T, H] in x's dtype; one program per row, one read of each input."""
+    assert x.dim() == 2 and x.stride(1) == 1 and residual.stride(1) == 1
+    assert x.shape == residual.shape and x.dtype == residual.dtype and weight.is_contiguous()
+    rows, cols = x.shape
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    if rows == 0:
+        return out, summed
+    block = triton.next_power_of_2(cols)
+    _add_rms_norm_kernel[(rows,)](x, residual, weight, out, summed, x.stride(0),
+                                  residual.stride(0), out.stride(0), summed.stride(0), cols,
+                                  eps, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return out, summed
 
 
 @triton.jit

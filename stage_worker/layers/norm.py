@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rms_norm import rms_norm
+from kernels.rms_norm import add_rms_norm, rms_norm
 from stage_worker.layers.weights import WeightSource, copy_checked
 
 
@@ -17,6 +17,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual) in one pass where a fused kernel runs."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
     def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
         copy_checked(self.weight, src[:], name)

@@ -45,8 +45,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 ctx: ForwardContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), kv_cache, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(self.input_layernorm(x), kv_cache, ctx), x)
+        return h + self.mlp(normed)
 
 
 class LlamaInner(nn.Module):

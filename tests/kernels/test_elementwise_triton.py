@@ -1,4 +1,4 @@
-"""The Triton RMSNorm and SiLU-and-mul kernels against a float64 oracle and the torch
+"""The Triton RMSNorm, add + RMSNorm and SiLU-and-mul kernels against a float64 oracle and the torch
 references: on CUDA (marker `gpu`), and on this machine through Triton's interpreter when
 triton is installed (it is a `gpu` extra, so CI without it skips that test)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from tests.kernels.interpreter import run_interpreted
 
 # (rows, hidden): one decode row, an odd batch, a prefill-sized block; SmolLM2's 576 (not a
@@ -32,8 +32,12 @@ def _close(got: torch.Tensor, ref: torch.Tensor, oracle: torch.Tensor, dtype: to
 
 
 def check(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
-    """Both kernels, every shape and dtype, against the float64 oracle and the reference."""
-    from kernels.elementwise_triton import rms_norm_triton, silu_and_mul_triton
+    """Every kernel, shape and dtype, against the float64 oracle and the reference."""
+    from kernels.elementwise_triton import (
+        add_rms_norm_triton,
+        rms_norm_triton,
+        silu_and_mul_triton,
+    )
 
     gen = torch.Generator().manual_seed(0)
     for dtype in dtypes:
@@ -46,6 +50,13 @@ def check(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
             assert got.dtype == dtype and got.shape == x.shape
             _close(got, rms_norm_ref(x, w, 1e-5), oracle, dtype,
                    f"rms_norm {dtype} {rows}x{hidden}")
+            r = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
+            normed, summed = add_rms_norm_triton(x.to(device), r.to(device), w.to(device), 1e-5)
+            ref_normed, ref_summed = add_rms_norm_ref(x, r, w, 1e-5)
+            assert torch.equal(summed.cpu(), ref_summed), "the sum rounds as torch's add"
+            s64 = ref_summed.double()  # the norm reads the rounded sum, as the ops apart do
+            oracle = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+            _close(normed, ref_normed, oracle, dtype, f"add_rms_norm {dtype} {rows}x{hidden}")
         for rows, inter in SILU_SHAPES:
             gu = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
             g64, u64 = gu.double().chunk(2, dim=-1)
@@ -59,6 +70,9 @@ def check(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
 def test_cpu_tensors_take_the_references() -> None:
     x, w = torch.randn(3, 8), torch.rand(8)
     assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    r = torch.randn(3, 8)
+    normed, summed = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(summed, x + r) and torch.equal(normed, rms_norm_ref(x + r, w, 1e-6))
     gu = torch.randn(3, 16)
     assert torch.equal(silu_and_mul(gu), silu_and_mul_ref(gu))
 
