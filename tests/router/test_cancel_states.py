@@ -43,20 +43,23 @@ async def _next_request_is_served(client: RouterClient) -> None:
 
 
 def test_cancel_while_queued(model_dir: Path) -> None:
+    """Behind `--max-num-seqs 1` on 2 stages (so two requests run, one per micro-batch)."""
     async def run() -> None:
         async with _mesh(model_dir, max_num_seqs=1) as mesh, mesh.client() as client:
-            running = asyncio.create_task(client.complete(
-                prompt="first", max_tokens=300, ignore_eos=True, timeout=60))
-            await _until(lambda: _stat(client, "num_running", 1))
-            queued = client.generate(prompt="second", max_tokens=300, ignore_eos=True)
+            # One sequence per step, two micro-batches: two requests fill what runs.
+            running = [asyncio.create_task(client.complete(
+                prompt=f"first {i}", max_tokens=1500, ignore_eos=True, timeout=60))
+                for i in range(2)]
+            await _until(lambda: _stat(client, "num_running", 2))
+            queued = client.generate(prompt="third", max_tokens=300, ignore_eos=True)
             waiting = asyncio.create_task(queued.__anext__())
             await _until(lambda: _stat(client, "num_waiting", 1))
             waiting.cancel()  # the client gives up while the request is still queued
             await asyncio.gather(waiting, return_exceptions=True)
             await queued.aclose()
             await _until(lambda: _stat(client, "num_waiting", 0))
-            out = await running  # undisturbed
-            assert len(out.token_ids[0]) == 300
+            for out in await asyncio.gather(*running):  # undisturbed
+                assert len(out.token_ids[0]) == 1500
             await wait_idle(client, mesh.stage_sequences)
             await _next_request_is_served(client)
 
