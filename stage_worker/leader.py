@@ -223,6 +223,14 @@ class StageLeader:
             raise ActivationMismatchError(f"step {plan.step_id}: upstream activations do not "
                                           f"fit the plan: {e}") from None
 
+    def interrupt(self, epoch: int, reason: str) -> None:
+        """Any thread: a step blocked waiting for run-ahead tokens or for activations of the
+        links of `epoch` fails now instead of at the step timeout (the Run stream that fed
+        it ended: those never come, and the step thread must be free for the next router's
+        calls). Links of a newer epoch are left alone."""
+        self.feedback.break_with(reason)
+        self.links.close_epoch(epoch)
+
     def reset(self) -> int:
         """Drop all sequence state on every rank (the Run stream ended), a pending step
         included; returns how many sequences this stage held."""

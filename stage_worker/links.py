@@ -151,6 +151,21 @@ class DataPlaneLinks:
         if self._feedback_out is not None:
             self._feedback_out.send(step_id, tensors, timeout_s=self.timeout_s)
 
+    def close_epoch(self, epoch: int) -> None:
+        """Close the links of `epoch` if it is still the current one (a blocked receive on
+        one of them ends at once); listeners stay until the next epoch replaces them."""
+        with self._lock:
+            if epoch != self.epoch:
+                return
+            for link in (self._downstream, self._feedback_out, self._upstream.link,
+                         self._feedback_in.link):
+                if link is not None:
+                    link.close()
+            self._downstream = self._feedback_out = None
+            for inbound in (self._upstream, self._feedback_in):
+                inbound.link = None
+                inbound.ready.set()  # wakes a step waiting for the link: it finds none
+
     def close(self) -> None:
         """Drop every link and the listener (the stage shuts down)."""
         self._new_epoch(self.epoch + 1)

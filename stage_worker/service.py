@@ -212,6 +212,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._run.skip_unanswered()
         run = self._run = _RunState(self._run_generation,
                                     _Settler(asyncio.get_running_loop()))
+        epoch = self.leader.links.epoch  # the links this run's steps use
         answers = self.leader.rank.is_last  # others answer only a failed step
         await self._call(self.leader.reset)
         queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
@@ -253,6 +254,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         finally:
             run.stopped = True
             reader.cancel()
+            if run.generation == self._run_generation:  # the router went: free the worker
+                self.leader.interrupt(epoch, "the Run stream ended")
             run.skip_unanswered()
             if ahead is not None:
                 ahead[1].add_done_callback(_ignore_result)
@@ -340,5 +343,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return pb.DrainResponse(dropped_sequences=int(dropped))  # type: ignore[call-overload]
 
     def close(self) -> None:
+        self.leader.interrupt(self.leader.links.epoch, "the stage is shutting down")
         self._worker.submit(self.leader.shutdown).result(timeout=30)
         self._worker.shutdown(wait=True)

@@ -20,10 +20,15 @@ pytestmark = pytest.mark.slow
 
 
 def test_ten_times_the_sustainable_load_is_refused_cleanly_and_the_mesh_recovers() -> None:
-    args = argparse.Namespace(seed=0, prompt_len=32, output_len=16, concurrency=8,
-                              duration=3.0, factor=10.0, soak=0.0, connections=8)
+    # The sustainable rate of 2 closed-loop clients and a running batch of 32 per stage keep
+    # 10x it (a few hundred requests a second) within what one front's event loop accepts:
+    # far past that, gRPC itself drops calls before the router sees them (docs/BENCHMARKS.md,
+    # "Overload and soak").
+    args = argparse.Namespace(seed=0, prompt_len=32, output_len=16, concurrency=2,
+                              duration=3.0, factor=10.0, soak=0.0, connections=16)
     with Mesh("--model", str(default_model_dir()), "--stages", "2", "--model-impl", "null",
-              "--num-blocks", "1024", "--max-queued-requests", "16") as mesh:
+              "--num-blocks", "1024", "--max-num-seqs", "32",
+              "--max-queued-requests", "16") as mesh:
         result = asyncio.run(measure(mesh, args))
         wait_idle(mesh.stub())
     sustain, overload, recover = result["phases"]

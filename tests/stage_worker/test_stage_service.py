@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -272,6 +273,32 @@ def test_a_step_id_that_does_not_increase_is_refused(checkpoint: Path, repeat: i
     assert first[2].error == (f"stage 0: PlanError: step {repeat} after step 1: the step ids "
                               "of a Run stream must increase")
     assert [r.step_id for r in again] == [0] and not again[0].error
+
+
+def test_a_run_that_ends_frees_a_step_waiting_for_its_upstream(checkpoint: Path) -> None:
+    """Stage 1 of 2 waits for activations that never come (nobody dials its upstream
+    listener); when its Run stream ends, the waiting step fails at once instead of at the
+    step timeout, so the next router's calls (which run on the same step thread) are served
+    without delay."""
+    cfg = StageConfig(checkpoint, model_impl="null", stage_index=1, num_stages=2,
+                      step_timeout_s=20.0)
+
+    async def body() -> float:
+        async with serving(cfg) as stub:
+            await stub.Connect(pb.ConnectRequest(role=pb.LINK_ROLE_LISTEN_UPSTREAM,
+                                                 address="127.0.0.1", epoch=1,
+                                                 link_token=bytes(range(32))))
+            call = RunStream(stub)
+            await call.write(prefill([3], [[1, 2, 3]], [[0]]))
+            await asyncio.sleep(0.3)  # the step is waiting for its activations
+            call.call.cancel()  # the router went away
+            started = time.monotonic()
+            await stub.Connect(pb.ConnectRequest(role=pb.LINK_ROLE_LISTEN_UPSTREAM,
+                                                 address="127.0.0.1", epoch=2,
+                                                 link_token=bytes(range(32))), timeout=15)
+            return time.monotonic() - started
+
+    assert asyncio.run(body()) < 5.0  # not the 20 s step timeout
 
 
 def test_a_malformed_cached_batch_fails_its_step_naming_the_field(checkpoint: Path) -> None:
