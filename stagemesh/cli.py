@@ -16,7 +16,8 @@ from typing import TypeVar
 
 from foundation.modelstore import ModelError, fetch_default_model, resolve_model
 from stagemesh import __version__
-from stagemesh.cli_services import add_client_tls_args, add_service_commands, client_tls_of
+from stagemesh.cli_credentials import add_client_tls_args, client_tls_of
+from stagemesh.cli_services import add_service_commands
 
 EXIT_MODEL_ERROR = 2  # also argparse's status for bad arguments: "the input was unusable"
 EXIT_INTERRUPTED = 130

@@ -11,8 +11,18 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
+from stagemesh.cli_credentials import (
+    add_api_key_args,
+    add_client_tls_args,
+    add_server_tls_args,
+    add_stage_token_arg,
+    api_keys,
+    client_tls_of,
+    server_tls_of,
+    stage_token_of,
+)
+
 if TYPE_CHECKING:
-    from foundation.tls import ClientTls, ServerTls
     from gateway.config import GatewayConfig
     from router.config import RouterConfig
 
@@ -92,8 +102,8 @@ def _add_stage(commands: SubParsers) -> None:
     _add_compression_arg(p)
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
-    _add_stage_token_arg(p, "only a router that presents it may call this stage")
-    _add_server_tls_args(p)
+    add_stage_token_arg(p, "only a router that presents it may call this stage")
+    add_server_tls_args(p)
     p.set_defaults(handler=_stage)
 
 
@@ -144,98 +154,8 @@ def _stage(args: argparse.Namespace) -> int:
     return run_stage(cfg, args.ready_file, server_tls_of(args), stage_token_of(args))
 
 
-def _add_server_tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-cert", type=Path, default=_env_path("STAGEMESH_TLS_CERT"),
-                   help="PEM certificate (chain) of this listener; with --tls-key it serves "
-                        "TLS only [$STAGEMESH_TLS_CERT]")
-    p.add_argument("--tls-key", type=Path, default=_env_path("STAGEMESH_TLS_KEY"),
-                   help="PEM private key of --tls-cert [$STAGEMESH_TLS_KEY]")
-    p.add_argument("--tls-client-ca", type=Path, default=_env_path("STAGEMESH_TLS_CLIENT_CA"),
-                   help="PEM CA: clients must present a certificate it signed (mutual TLS) "
-                        "[$STAGEMESH_TLS_CLIENT_CA]")
-
-
-def add_client_tls_args(p: argparse.ArgumentParser, peer: str) -> None:
-    """--<peer>-tls-ca/-cert/-key: how this process reaches <peer> over TLS."""
-    env = f"STAGEMESH_{peer.upper()}_TLS"
-    p.add_argument(f"--{peer}-tls-ca", type=Path, default=_env_path(f"{env}_CA"),
-                   help=f"PEM CA that signed the {peer}'s certificate; any --{peer}-tls-* "
-                        f"flag turns TLS on (system roots without this one) [${env}_CA]")
-    p.add_argument(f"--{peer}-tls-cert", type=Path, default=_env_path(f"{env}_CERT"),
-                   help=f"client certificate for mutual TLS with the {peer} [${env}_CERT]")
-    p.add_argument(f"--{peer}-tls-key", type=Path, default=_env_path(f"{env}_KEY"),
-                   help=f"private key of --{peer}-tls-cert [${env}_KEY]")
-
-
-def _add_stage_token_arg(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--stage-token-file", type=Path, default=None,
-                   help=f"file holding the pipeline's pairing secret: {role} "
-                        "[$STAGEMESH_STAGE_TOKEN holds the secret itself; `serve` makes one]")
-
-
-def stage_token_of(args: argparse.Namespace) -> str:
-    """The pairing secret: --stage-token-file's content, else $STAGEMESH_STAGE_TOKEN, else
-    none ("")."""
-    from foundation.grpc_auth import STAGE_TOKEN_ENV
-
-    if args.stage_token_file is not None:
-        try:
-            token = args.stage_token_file.read_text().strip()
-        except OSError as e:
-            raise SystemExit(f"stagemesh {args.command}: --stage-token-file: {e}") from None
-        if not token:
-            raise SystemExit(f"stagemesh {args.command}: --stage-token-file "
-                             f"{args.stage_token_file} is empty")
-        return token
-    return os.environ.get(STAGE_TOKEN_ENV, "").strip()
-
-
-def _env_path(name: str) -> Path | None:
-    value = os.environ.get(name)
-    return Path(value) if value else None
-
-
-def server_tls_of(args: argparse.Namespace) -> ServerTls | None:
-    from foundation.tls import TlsConfigError, server_tls
-
-    try:
-        return server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-    except TlsConfigError as e:
-        raise SystemExit(f"stagemesh {args.command}: {e}") from None
-
-
-def client_tls_of(args: argparse.Namespace, peer: str) -> ClientTls | None:
-    from foundation.tls import TlsConfigError, client_tls
-
-    attr = peer.replace("-", "_")
-    try:
-        return client_tls(getattr(args, f"{attr}_tls_ca"), getattr(args, f"{attr}_tls_cert"),
-                          getattr(args, f"{attr}_tls_key"), f"--{peer}-tls")
-    except TlsConfigError as e:
-        raise SystemExit(f"stagemesh {args.command}: {e}") from None
-
-
-def _add_api_key_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", action="append", default=[],
-                   help="accepted bearer key (repeatable; also $STAGEMESH_API_KEYS, "
-                        "comma-separated, and --api-key-file); none = no authentication")
-    p.add_argument("--api-key-file", type=Path, default=None,
-                   help="file with one API key per line ('#' comments)")
-
-
-def api_keys(args: argparse.Namespace) -> frozenset[str]:
-    """The keys from --api-key, $STAGEMESH_API_KEYS and --api-key-file."""
-    from foundation.api_keys import load_api_keys
-
-    try:
-        return load_api_keys(args.api_key, os.environ.get("STAGEMESH_API_KEYS"),
-                             args.api_key_file)
-    except OSError as e:
-        raise SystemExit(f"stagemesh {args.command}: cannot read --api-key-file: {e}") from None
-
-
 def _add_router_args(p: argparse.ArgumentParser) -> None:
-    _add_api_key_args(p)
+    add_api_key_args(p)
     p.add_argument("--model-name", default=None,
                    help="name clients use (default: the model directory's name)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -285,8 +205,8 @@ def _add_router(commands: SubParsers) -> None:
     p.add_argument("--port", type=int, default=int(_env("STAGEMESH_ROUTER_PORT", "50051")))
     p.add_argument("--ready-file", default=None)
     _add_router_args(p)
-    _add_server_tls_args(p)
-    _add_stage_token_arg(p, "presented on every call to the stages")
+    add_server_tls_args(p)
+    add_stage_token_arg(p, "presented on every call to the stages")
     add_client_tls_args(p, "stage")
     p.set_defaults(handler=_router)
 
@@ -367,7 +287,7 @@ def _add_gateway(commands: SubParsers) -> None:
                    help="HTTP port, 0 = any free one [$STAGEMESH_GATEWAY_PORT]")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound host:port here once serving")
-    _add_api_key_args(p)
+    add_api_key_args(p)
     add_client_tls_args(p, "router")
     p.add_argument("--router-api-key", default=_env("STAGEMESH_ROUTER_API_KEY", "") or None,
                    help="key the gateway presents to the router, when the router has keys "
