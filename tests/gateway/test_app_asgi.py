@@ -65,9 +65,11 @@ def _app(fake: FakeRouter, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     return app
 
 
-async def _call(app: GatewayApp, path: str, body: dict[str, Any],
+async def _call(app: GatewayApp, path: str, body: dict[str, Any] | bytes,
                 disconnect_after: float | None = None) -> tuple[int | None, bytes]:
-    """POST `body`; the client disconnects after `disconnect_after` seconds if given."""
+    """POST `body` (JSON-encoded, or these bytes as they are); the client disconnects after
+    `disconnect_after` seconds if given."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     sent: list[dict[str, Any]] = []
     delivered = False
 
@@ -75,7 +77,7 @@ async def _call(app: GatewayApp, path: str, body: dict[str, Any],
         nonlocal delivered
         if not delivered:
             delivered = True
-            return {"type": "http.request", "body": json.dumps(body).encode()}
+            return {"type": "http.request", "body": raw}
         if disconnect_after is None:
             await asyncio.Event().wait()
         await asyncio.sleep(disconnect_after or 0)

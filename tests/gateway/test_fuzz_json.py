@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.gateway.test_app_asgi import CHUNK, FakeRouter, _app
+from tests.gateway.test_app_asgi import CHUNK, FakeRouter, _app, _call
 
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop", "seed",
@@ -79,29 +79,6 @@ def posts(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, json.dumps(body).encode()
 
 
-async def _post(app: Any, path: str, raw: bytes) -> tuple[int | None, bytes]:
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": raw}
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": path,
-             "headers": [(b"content-type", b"application/json")]}
-    await asyncio.wait_for(app(scope, receive, send), timeout=10)
-    status = next((m["status"] for m in sent if m["type"] == "http.response.start"), None)
-    return status, b"".join(m.get("body", b"") for m in sent if m["type"] ==
-                            "http.response.body")
-
-
 @settings(max_examples=400, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(post=posts())
@@ -110,7 +87,7 @@ def test_any_body_gets_a_response_or_a_clear_error(monkeypatch: pytest.MonkeyPat
                                                    ) -> None:
     path, raw = post
     fake = FakeRouter([CHUNK])
-    status, body = asyncio.run(_post(_app(fake, monkeypatch, tmp_path), path, raw))
+    status, body = asyncio.run(_call(_app(fake, monkeypatch, tmp_path), path, raw))
     event(str(status))
     assert status in (200, 400, 404, 413, 422), (status, body, raw)
     if status == 200:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
+from router.client import RouterClient
 from stagemesh.local_mesh import Mesh, Proc, free_port
 
 __all__ = ["NOT_SERVING", "SERVING", "Mesh", "Proc", "free_port", "inference_pb2_grpc",
-           "readiness", "wait_idle", "wait_status"]
+           "readiness", "streams_cut_by", "wait_idle", "wait_status"]
 
 SERVING, NOT_SERVING = 1, 2
 
@@ -51,3 +54,30 @@ def wait_idle(stub: inference_pb2_grpc.InferenceServiceStub, timeout: float = 20
         if time.monotonic() > deadline:
             raise AssertionError(f"KV usage did not return to idle:\n{stats}")
         time.sleep(0.1)
+
+
+async def streams_cut_by(address: str, fault: Callable[[], Awaitable[None]], streams: int = 4
+                         ) -> list[tuple[grpc.StatusCode, str, float]]:
+    """`streams` long greedy streams; `fault()` once one of them has a token. Each stream's
+    status, message and seconds from the end of `fault()` to its end; a stream that finishes
+    is an error (the fault was to end it)."""
+    async with RouterClient(address) as client:
+        started = asyncio.Event()
+        faulted_at: list[float] = []
+
+        async def one() -> tuple[grpc.StatusCode, str, float]:
+            try:
+                async for chunk in client.generate(
+                        messages=[{"role": "user", "content": "Tell me about the sea."}],
+                        temperature=0.0, max_tokens=400, ignore_eos=True, timeout=120):
+                    if chunk.token_ids:
+                        started.set()
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or "", time.monotonic() - faulted_at[0]
+            raise AssertionError("the stream finished although the fault should end it")
+
+        tasks = [asyncio.create_task(one()) for _ in range(streams)]
+        await started.wait()
+        await fault()
+        faulted_at.append(time.monotonic())
+        return list(await asyncio.gather(*tasks))

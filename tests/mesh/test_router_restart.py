@@ -20,6 +20,7 @@ from tests.mesh.harness import (
     Proc,
     free_port,
     inference_pb2_grpc,
+    streams_cut_by,
     wait_idle,
     wait_status,
 )
@@ -43,36 +44,6 @@ def _stage_usage(stage_port: int) -> tuple[int, int]:
         return info.num_sequences, info.kv_blocks_used
 
 
-async def _killed_mid_stream(address: str, router: Proc, stage_port: int
-                             ) -> list[tuple[grpc.StatusCode, float]]:
-    """4 streams; the router is SIGKILLed once they run (the stage then holds their
-    sequences). Each stream's status and seconds from the kill to its end."""
-    async with RouterClient(address) as client:
-        started = asyncio.Event()
-        killed_at: list[float] = []
-
-        async def one() -> tuple[grpc.StatusCode, float]:
-            try:
-                async for chunk in client.generate(messages=MESSAGES, temperature=0.0,
-                                                   max_tokens=400, ignore_eos=True,
-                                                   timeout=120):
-                    if chunk.token_ids:
-                        started.set()
-            except grpc.aio.AioRpcError as e:
-                return e.code(), time.monotonic() - killed_at[0]
-            raise AssertionError("the stream finished although its router was killed")
-
-        tasks = [asyncio.create_task(one()) for _ in range(4)]
-        await started.wait()
-        deadline = time.monotonic() + 30
-        while _stage_usage(stage_port)[0] < 4:  # every stream on the stage
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        router.proc.kill()
-        killed_at.append(time.monotonic())
-        return list(await asyncio.gather(*tasks))
-
-
 def test_a_killed_router_fails_its_streams_and_a_new_one_takes_over() -> None:
     stage_port, router_port = free_port(), free_port()
     address = f"127.0.0.1:{router_port}"
@@ -82,9 +53,15 @@ def test_a_killed_router_fails_its_streams_and_a_new_one_takes_over() -> None:
     routers = [_router(router_port, stage_port)]
     try:
         wait_status(address, SERVING, 120)
-        ended = asyncio.run(_killed_mid_stream(address, routers[0], stage_port))
+        async def kill_router() -> None:  # once the stage holds every stream's sequence
+            deadline = time.monotonic() + 30
+            while _stage_usage(stage_port)[0] < 4:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            routers[0].proc.kill()
+        ended = asyncio.run(streams_cut_by(address, kill_router))
         assert all(code == grpc.StatusCode.UNAVAILABLE and seconds < 10
-                   for code, seconds in ended), ended
+                   for code, _, seconds in ended), ended
 
         deadline = time.monotonic() + 30  # the core noticed and exited; its streams closed
         while _stage_usage(stage_port) != (0, 0):

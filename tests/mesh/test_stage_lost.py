@@ -24,6 +24,7 @@ from tests.mesh.harness import (
     free_port,
     inference_pb2_grpc,
     readiness,
+    streams_cut_by,
     wait_idle,
     wait_status,
 )
@@ -31,37 +32,11 @@ from tests.mesh.harness import (
 pytestmark = pytest.mark.slow
 
 BUDGET_S, STEP_TIMEOUT_S = 4.0, 5.0
-MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 def _stage(port: int) -> Proc:
     return Proc([sys.executable, "-m", "stagemesh", "stage", "--model", str(default_model_dir()),
                  "--device", "cpu", "--num-blocks", "128", "--port", str(port)])
-
-
-async def _interrupted(address: str, stage: Proc) -> list[tuple[grpc.StatusCode, str, float]]:
-    """4 streams; the stage is SIGKILLed once they run. Each stream's status, message and
-    seconds from the kill to its end."""
-    async with RouterClient(address) as client:
-        started = asyncio.Event()
-        killed_at: list[float] = []
-
-        async def one() -> tuple[grpc.StatusCode, str, float]:
-            try:
-                async for chunk in client.generate(messages=MESSAGES, temperature=0.0,
-                                                   max_tokens=400, ignore_eos=True,
-                                                   timeout=120):
-                    if chunk.token_ids:
-                        started.set()
-            except grpc.aio.AioRpcError as e:
-                return e.code(), e.details() or "", time.monotonic() - killed_at[0]
-            raise AssertionError("the stream finished although its stage was gone")
-
-        tasks = [asyncio.create_task(one()) for _ in range(4)]
-        await started.wait()
-        stage.proc.kill()
-        killed_at.append(time.monotonic())
-        return list(await asyncio.gather(*tasks))
 
 
 def test_a_stage_that_never_returns_fails_its_requests_and_the_mesh_serves_when_it_does(
@@ -77,7 +52,9 @@ def test_a_stage_that_never_returns_fails_its_requests_and_the_mesh_serves_when_
     try:
         wait_status(address, SERVING, 120)
         with gateway(address) as url:
-            ended = asyncio.run(_interrupted(address, stages[0]))
+            async def kill_stage() -> None:
+                stages[0].proc.kill()
+            ended = asyncio.run(streams_cut_by(address, kill_stage))
             for code, message, seconds in ended:
                 assert code == grpc.StatusCode.UNAVAILABLE, (code, message)
                 assert where in message and "recovery budget" in message, message
