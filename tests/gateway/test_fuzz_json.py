@@ -96,8 +96,8 @@ def test_any_body_gets_a_response_or_a_clear_error(monkeypatch: pytest.MonkeyPat
             assert body.rstrip().endswith(b"data: [DONE]"), body
         else:
             assert json.loads(body)["choices"], body
-        for request in fake.requests:  # well-formed: an input, the served model
-            assert request.WhichOneof("input") is not None and request.model in ("", "fake")
+        for request in fake.requests:  # well-formed: an input (the router judges the model)
+            assert request.WhichOneof("input") is not None
     else:
         assert not fake.requests, (status, raw)  # refused before any router call
         error = json.loads(body)["error"]
