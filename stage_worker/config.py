@@ -9,6 +9,7 @@ from pathlib import Path
 from stage_worker.dataplane.compression import CHOICES as COMPRESSION_CHOICES
 
 MODEL_IMPLS = ("auto", "llama", "null")
+TRANSPORT_CHOICES = ("auto", "tcp", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class StageConfig:
         enforce_eager: never replay CUDA graphs for decode steps (debugging, A/B runs).
         activation_compression: the form of the activations this stage sends downstream:
             "none", "bf16", "fp16" or "int8" (`stage_worker.dataplane.compression`).
+        transport: the data-plane transports the stage offers for activation links: "auto"
+            (``tcp``, and ``cuda_ipc`` on a CUDA device with cupy installed), "tcp" or
+            "cuda_ipc" (only that one; refused at start where it cannot work). The router
+            picks per hop among what both ends offer.
     """
 
     model_dir: Path
@@ -67,6 +72,7 @@ class StageConfig:
     step_timeout_s: float = 60.0
     enforce_eager: bool = False
     activation_compression: str = "none"
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
@@ -79,6 +85,9 @@ class StageConfig:
             raise ValueError(f"activation_compression must be one of "
                              f"{', '.join(COMPRESSION_CHOICES)}, got "
                              f"{self.activation_compression!r}")
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got "
+                             f"{self.transport!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "
                              f"{self.model_impl!r}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from stage_worker import tp_fanout
+from stage_worker.dataplane import TransportKind
 from stage_worker.dataplane.compression import (
     CompressedFormError,
     Compression,
@@ -31,7 +32,7 @@ from stage_worker.dataplane.compression import (
 )
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
 from stage_worker.host_transfer import host_tensor
-from stage_worker.links import DataPlaneAddress, DataPlaneLinks
+from stage_worker.links import DataPlaneAddress, DataPlaneLinks, offered_transports, ring_config
 from stage_worker.plan import SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 from stage_worker.step_input import SeqChunk
@@ -55,16 +56,22 @@ class StageLeader:
 
     def __init__(self, rank: StageRank, step_timeout_s: float,
                  dataplane: DataPlaneAddress | None = None,
-                 compression: Compression = Compression.NONE) -> None:
+                 compression: Compression = Compression.NONE, transport: str = "auto") -> None:
         """`dataplane`: where the listeners bind (default: the router's name).
-        `compression`: the form of the activations sent downstream (the receiver reads any)."""
+        `compression`: the form of the activations sent downstream (the receiver reads any).
+        `transport`: what the stage offers for activation links ("auto", "tcp", "cuda_ipc";
+        see `offered_transports`). Raises ValueError where "cuda_ipc" cannot work."""
         self.rank = rank
         self.step_timeout_s = step_timeout_s
         self.compression = compression
         self.feedback = FeedbackStore()  # first stage: the run-ahead inputs
         inbox = FeedbackInbox(self.feedback)
+        shape = rank.shape
+        ring = None if transport == "tcp" else ring_config(
+            shape.device, rank.limits.max_num_batched_tokens, shape.hidden_size, shape.dtype)
+        self.transports = offered_transports(transport, ring)
         self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s,
-                                    on_feedback=inbox.attach)
+                                    on_feedback=inbox.attach, ring=ring)
         self._pending: _Sampling | None = None  # `step_overlapped`: sampled, not resolved
         self.steps_overlapped = 0  # steps queued on the GPU before the previous one resolved
 
@@ -74,12 +81,22 @@ class StageLeader:
         rank = self.rank
         return rank.is_first and rank.is_last and rank.tp.size == 1
 
-    def listen_upstream(self, router_host: str, token: bytes, epoch: int) -> str:
-        """See `DataPlaneLinks.listen_upstream`."""
-        return self.links.listen_upstream(router_host, token, epoch)
+    def listen_upstream(self, router_host: str, token: bytes, epoch: int,
+                        kind: TransportKind = TransportKind.TCP) -> str:
+        """See `DataPlaneLinks.listen_upstream`; `kind` must be one the stage offers."""
+        self._check_offered(kind)
+        return self.links.listen_upstream(router_host, token, epoch, kind)
 
-    def connect_downstream(self, address: str, token: bytes, epoch: int) -> None:
-        self.links.connect_downstream(address, token, epoch)
+    def connect_downstream(self, address: str, token: bytes, epoch: int,
+                           kind: TransportKind = TransportKind.TCP) -> None:
+        self._check_offered(kind)
+        self.links.connect_downstream(address, token, epoch, kind)
+
+    def _check_offered(self, kind: TransportKind) -> None:
+        if kind not in self.transports:
+            offered = ", ".join(k.value for k in self.transports)
+            raise ValueError(f"this stage does not offer the {kind.value} transport (it "
+                             f"offers {offered}; see the stage's --transport)")
 
     def listen_feedback(self, router_host: str, token: bytes, epoch: int) -> str:
         """First stage: see `DataPlaneLinks.listen_feedback`."""

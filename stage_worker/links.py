@@ -7,10 +7,13 @@ background; steps use the links from the same worker thread.
 
 from __future__ import annotations
 
+import functools
 import logging
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +26,8 @@ from stage_worker.dataplane import (
     open_link,
     open_listener,
 )
+from stage_worker.dataplane.cuda_ipc import TENSOR_ALIGN, RingConfig, unavailable_reason
+from stage_worker.dataplane.wire import MAX_TENSORS
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -78,13 +83,19 @@ class DataPlaneLinks:
     router re-linked after a restart) drops the links of the previous one.
 
     `on_feedback` is called with each feedback link the first stage accepts (it starts a
-    thread that drains it).
+    thread that drains it). Activation links are ``tcp`` or, where `ring` is given (the
+    stage's device and its largest step's activations), ``cuda_ipc``: the router names the
+    kind per hop in ``Connect``. The feedback link is always ``tcp`` (a few host integers).
     """
 
     def __init__(self, address: DataPlaneAddress, timeout_s: float,
-                 on_feedback: Callable[[Transport], None] | None = None) -> None:
+                 on_feedback: Callable[[Transport], None] | None = None,
+                 ring: RingConfig | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.ring = ring
+        self.upstream_kind: TransportKind | None = None  # of the links of this epoch
+        self.downstream_kind: TransportKind | None = None
         self.epoch = -1
         self._upstream = _Inbound("upstream")
         self._feedback_in = _Inbound("feedback")
@@ -106,23 +117,28 @@ class DataPlaneLinks:
         """Whether a feedback link is up (either end)."""
         return self._feedback_in.link is not None or self._feedback_out is not None
 
-    def listen_upstream(self, router_host: str, token: bytes, epoch: int) -> str:
+    def listen_upstream(self, router_host: str, token: bytes, epoch: int,
+                        kind: TransportKind = TransportKind.TCP) -> str:
         """Start listening for the upstream stage; returns the "host:port" it should dial.
         `router_host` is the host the router reaches this stage by (see `DataPlaneAddress`).
         Accepts in the background; a step waits for the link."""
-        return self._listen(self._upstream, router_host, token, epoch)
+        address = self._listen(self._upstream, router_host, token, epoch, kind)
+        self.upstream_kind = kind
+        return address
 
     def listen_feedback(self, router_host: str, token: bytes, epoch: int) -> str:
         """First stage: listen for the last stage's feedback link, as `listen_upstream`
         (the first stage has no upstream listener, so a fixed data-plane port serves it)."""
         return self._listen(self._feedback_in, router_host, token, epoch)
 
-    def connect_downstream(self, address: str, token: bytes, epoch: int) -> None:
-        link = self._connect(address, token, epoch)
+    def connect_downstream(self, address: str, token: bytes, epoch: int,
+                           kind: TransportKind = TransportKind.TCP) -> None:
+        link = self._connect(address, token, epoch, kind)
         with self._lock:
             if self._downstream is not None:
                 self._downstream.close()
             self._downstream = link
+            self.downstream_kind = kind
 
     def connect_feedback(self, address: str, token: bytes, epoch: int) -> None:
         """Last stage: dial the first stage's feedback listener at `address`."""
@@ -170,14 +186,16 @@ class DataPlaneLinks:
         """Drop every link and the listener (the stage shuts down)."""
         self._new_epoch(self.epoch + 1)
 
-    def _listen(self, inbound: _Inbound, router_host: str, token: bytes, epoch: int) -> str:
+    def _listen(self, inbound: _Inbound, router_host: str, token: bytes, epoch: int,
+                kind: TransportKind = TransportKind.TCP) -> str:
         self._new_epoch(epoch)
         bind, advertise = self.address.resolve(router_host)
         with self._lock:  # a repeated LISTEN in one epoch replaces the listener (same port)
             if inbound.listener is not None:
                 inbound.listener.close()
                 inbound.listener = None
-        listener = open_listener(LinkSpec(TransportKind.TCP, bind, self.address.port, token))
+        listener = open_listener(LinkSpec(kind, bind, self.address.port, token),
+                                 ring=self._ring_for(kind))
         inbound.listener = listener
         inbound.ready.clear()
         threading.Thread(target=self._accept, args=(inbound, listener, epoch), daemon=True,
@@ -185,11 +203,22 @@ class DataPlaneLinks:
         host = f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
         return f"{host}:{listener.spec.port}"
 
-    def _connect(self, address: str, token: bytes, epoch: int) -> Transport:
+    def _connect(self, address: str, token: bytes, epoch: int,
+                 kind: TransportKind = TransportKind.TCP) -> Transport:
         self._new_epoch(epoch)
         host, _, port = address.rpartition(":")
-        return open_link(LinkSpec(TransportKind.TCP, host.strip("[]"), int(port), token),
-                         timeout_s=self.timeout_s)
+        ring = self._ring_for(kind)
+        device = None if ring is None else ring.device
+        return open_link(LinkSpec(kind, host.strip("[]"), int(port), token),
+                         timeout_s=self.timeout_s, device=device)
+
+    def _ring_for(self, kind: TransportKind) -> RingConfig | None:
+        """The ring a ``cuda_ipc`` link needs; ValueError where this stage offers none."""
+        if kind is TransportKind.TCP:
+            return None
+        if kind is TransportKind.CUDA_IPC and self.ring is not None:
+            return self.ring
+        raise ValueError(f"this stage does not offer the {kind.value} transport")
 
     def _accept(self, inbound: _Inbound, listener: LinkListener, epoch: int) -> None:
         try:
@@ -220,3 +249,43 @@ class DataPlaneLinks:
             self._downstream = self._feedback_out = None
             self._upstream.drop()
             self._feedback_in.drop()
+
+
+def offered_transports(choice: str, ring: RingConfig | None) -> tuple[TransportKind, ...]:
+    """What a stage configured with transport `choice` ("auto", "tcp", "cuda_ipc") offers
+    for activation links, given the `ring` it could receive into (None: no CUDA IPC here).
+
+    Raises:
+        ValueError: "cuda_ipc" was asked for where it cannot work.
+    """
+    if choice == "tcp":
+        return (TransportKind.TCP,)
+    if choice == "cuda_ipc":
+        if ring is None:
+            raise ValueError("--transport cuda_ipc needs a CUDA device and cupy on the stage")
+        return (TransportKind.CUDA_IPC,)
+    return (TransportKind.TCP,) + ((TransportKind.CUDA_IPC,) if ring is not None else ())
+
+
+def ring_config(device: torch.device, max_tokens: int, hidden_size: int,
+                dtype: torch.dtype) -> RingConfig | None:
+    """The ``cuda_ipc`` ring that holds a step's activations as the upstream stage sends
+    them ([max_tokens, hidden] in `dtype`, or a smaller compressed form, with room for the
+    per-tensor alignment); None where CUDA IPC is not available (a CPU stage, no cupy)."""
+    reason = unavailable_reason(device)
+    if reason is not None:
+        log.info("data plane: cuda_ipc not offered (%s)", reason)
+        return None
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return RingConfig(device, max_tokens * hidden_size * itemsize + MAX_TENSORS * TENSOR_ALIGN)
+
+
+@functools.cache
+def host_id() -> str:
+    """This machine, as Describe reports it: the host name and the kernel's boot id (two
+    containers of one pod share both; two pods, or two hosts, differ)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -60,7 +60,7 @@ def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
     rank = build_stage_rank(cfg, tp)
     leader = StageLeader(rank, cfg.step_timeout_s, DataPlaneAddress(
         cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise),
-        Compression(cfg.activation_compression))
+        Compression(cfg.activation_compression), cfg.transport)
     return StageServicer(leader, StageIdentity.of(cfg, rank))
 
 

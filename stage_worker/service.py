@@ -16,8 +16,9 @@ from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc
 from stage_worker.config import StageConfig
 from stage_worker.convert import error_to_proto, outcome_to_proto, plan_from_proto
-from stage_worker.dataplane import TransportError
+from stage_worker.dataplane import TransportError, TransportKind
 from stage_worker.leader import StageLeader
+from stage_worker.links import host_id
 from stage_worker.plan import PlanError, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 
@@ -26,6 +27,11 @@ log = logging.getLogger("stagemesh.stage")
 # Plans converted and queued on the worker ahead of the step running (the router keeps at
 # most 2P steps outstanding; this only bounds a client that does not).
 MAX_QUEUED_STEPS = 16
+
+_KIND_ENUMS = {TransportKind.TCP: pb.TRANSPORT_TCP, TransportKind.CUDA_IPC: pb.TRANSPORT_CUDA_IPC}
+_ENUM_KINDS = {pb.TRANSPORT_UNSPECIFIED: TransportKind.TCP,
+               **{enum: kind for kind, enum in _KIND_ENUMS.items()}}
+_ACTIVATION_ROLES = frozenset({pb.LINK_ROLE_LISTEN_UPSTREAM, pb.LINK_ROLE_CONNECT_DOWNSTREAM})
 
 
 def _discard(queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None]) -> None:
@@ -165,28 +171,40 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             layer_end=i.layer_end, device=i.device, dtype=i.dtype, tp_size=i.tp_size,
             num_kv_blocks=i.num_kv_blocks, block_size=i.block_size, hidden_size=i.hidden_size,
             vocab_size=i.vocab_size, kv_blocks_used=held.kv_blocks_used,
-            num_sequences=len(held.seqs), transports=[pb.TRANSPORT_TCP],
+            num_sequences=len(held.seqs),
+            transports=[_KIND_ENUMS[k] for k in self.leader.transports], host_id=host_id(),
             max_num_batched_tokens=i.max_num_batched_tokens, max_num_seqs=i.max_num_seqs,
             model_impl=i.model_impl,
         )
 
     async def Connect(self, request: pb.ConnectRequest,
                       context: grpc.aio.ServicerContext) -> pb.ConnectResponse:
-        if request.transport not in (pb.TRANSPORT_TCP, pb.TRANSPORT_UNSPECIFIED):
+        kind = _ENUM_KINDS.get(request.transport)
+        if kind is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"transport {pb.Transport.Name(request.transport)} is not "
-                                "available on this stage (have: TRANSPORT_TCP)")
+                                "implemented (have: TRANSPORT_TCP, TRANSPORT_CUDA_IPC)")
+        if kind not in self.leader.transports and request.role in _ACTIVATION_ROLES:
+            offered = ", ".join(pb.Transport.Name(_KIND_ENUMS[k]) for k in self.leader.transports)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"transport {pb.Transport.Name(request.transport)} is not "
+                                f"offered by this stage (it offers {offered})")
+        if kind is not TransportKind.TCP and request.role not in _ACTIVATION_ROLES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the feedback link is TRANSPORT_TCP only")
         listen = {pb.LINK_ROLE_LISTEN_UPSTREAM: self.leader.listen_upstream,
                   pb.LINK_ROLE_LISTEN_FEEDBACK: self.leader.listen_feedback}.get(request.role)
         connect = {pb.LINK_ROLE_CONNECT_DOWNSTREAM: self.leader.connect_downstream,
                    pb.LINK_ROLE_CONNECT_FEEDBACK: self.leader.connect_feedback}.get(request.role)
+        args: tuple[object, ...] = (request.address, request.link_token, request.epoch)
+        if request.role in _ACTIVATION_ROLES:
+            args += (kind,)
         try:
             if listen is not None:
-                address = await self._call(listen, request.address, request.link_token,
-                                           request.epoch)
+                address = await self._call(listen, *args)
                 return pb.ConnectResponse(address=str(address))
             if connect is not None:
-                await self._call(connect, request.address, request.link_token, request.epoch)
+                await self._call(connect, *args)
                 return pb.ConnectResponse()
         except (ValueError, OSError, TransportError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"data-plane link failed: {e}")

@@ -1,7 +1,9 @@
 """The data plane: activations between neighbouring pipeline stages, never over gRPC.
 
-One `Transport` contract (``transport.py``), one wire format (``wire.py``), and the ``tcp``
-implementation; CUDA IPC and NCCL transports implement the same contract later.
+One `Transport` contract (``transport.py``), one wire format (``wire.py``), and two
+implementations: ``tcp`` (any two hosts, CPU or GPU; activations through host memory) and
+``cuda_ipc`` (stages on one host: device memory to device memory, ``cuda_ipc.py``). An NCCL
+transport will implement the same contract.
 """
 
 from stage_worker.dataplane.config import (

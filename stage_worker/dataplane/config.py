@@ -19,10 +19,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 2 << 30
 class TransportKind(enum.Enum):
     """How the bytes move. Chosen per hop by the launcher; see ARCHITECTURE.md, "The data plane".
 
-    Only TCP is implemented; CUDA_IPC and NCCL will implement the same `Transport` contract.
+    NCCL will implement the same `Transport` contract.
     """
 
     TCP = "tcp"
+    CUDA_IPC = "cuda_ipc"
 
 
 def new_link_token() -> bytes:

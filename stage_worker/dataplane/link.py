@@ -7,6 +7,9 @@ over the control channel) and `open_link` for its downstream link, with the spec
 
 from __future__ import annotations
 
+import torch
+
+from stage_worker.dataplane import cuda_ipc
 from stage_worker.dataplane.config import DataPlaneConfig, LinkSpec, TransportKind
 from stage_worker.dataplane.tcp import TcpListener, TcpTransport
 from stage_worker.dataplane.transport import LinkListener, Transport
@@ -14,23 +17,34 @@ from stage_worker.dataplane.transport import LinkListener, Transport
 _DEFAULT_CONFIG = DataPlaneConfig()
 
 
-def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG) -> LinkListener:
+def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG,
+                  ring: cuda_ipc.RingConfig | None = None) -> LinkListener:
     """Start the accepting end of a link: bind ``spec.host:spec.port`` (0 picks a port).
+
+    Args:
+        ring: for ``cuda_ipc``, the receiving ring (device, slot size) each peer gets.
 
     Returns:
         A listener; its ``spec`` carries the bound port and the token, for the peer.
 
     Raises:
         OSError: the address cannot be bound.
+        ValueError: ``cuda_ipc`` without a ring, or not available in this process.
         NotImplementedError: a transport kind this build does not implement.
     """
     if spec.kind is TransportKind.TCP:
         return TcpListener(spec.host, spec.port, token=spec.token, config=config)
+    if spec.kind is TransportKind.CUDA_IPC:
+        if ring is None:
+            raise ValueError("a cuda_ipc listener needs its ring (device and slot size)")
+        return cuda_ipc.CudaIpcListener(spec.host, spec.port, token=spec.token, ring=ring,
+                                        config=config)
     raise NotImplementedError(f"transport {spec.kind.value} is not implemented")
 
 
 def open_link(
-    spec: LinkSpec, *, timeout_s: float, config: DataPlaneConfig = _DEFAULT_CONFIG
+    spec: LinkSpec, *, timeout_s: float, config: DataPlaneConfig = _DEFAULT_CONFIG,
+    device: torch.device | None = None,
 ) -> Transport:
     """Connect to the listener described by ``spec`` and authenticate with its token.
 
@@ -38,13 +52,15 @@ def open_link(
         spec: the peer listener's kind, address and token (``port`` must be its real port).
         timeout_s: upper bound on connecting plus the handshake.
         config: local limits of this end.
+        device: for ``cuda_ipc``, the sender's device (where its tensors are).
 
     Returns:
         The linked transport.
 
     Raises:
         ValueError: ``spec.port`` is 0.
-        LinkUnreachableError, LinkRefusedError, TransportTimeout: see `TcpTransport.connect`.
+        LinkUnreachableError, LinkRefusedError, TransportTimeout: see `TcpTransport.connect`
+            (``cuda_ipc`` also refuses when the peer's ring cannot be mapped here).
         NotImplementedError: a transport kind this build does not implement.
     """
     if spec.port == 0:
@@ -53,4 +69,9 @@ def open_link(
         return TcpTransport.connect(
             spec.host, spec.port, token=spec.token, timeout_s=timeout_s, config=config
         )
+    if spec.kind is TransportKind.CUDA_IPC:
+        if device is None:
+            raise ValueError("a cuda_ipc link needs the sender's device")
+        return cuda_ipc.connect(spec.host, spec.port, token=spec.token, timeout_s=timeout_s,
+                                device=device, config=config)
     raise NotImplementedError(f"transport {spec.kind.value} is not implemented")

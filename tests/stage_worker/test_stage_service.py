@@ -379,3 +379,37 @@ def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: 
     assert sampled(results[1]) == [(1, 2)]  # the null model: seq_id + outputs so far
     assert results[2].error.startswith("stage 0: PlanError: step 2, sequence 9 is not held")
     assert ran == [0, 1, 2]
+
+
+def test_a_cpu_stage_offers_tcp_and_refuses_other_transports_naming_them(
+        checkpoint: Path) -> None:
+    """Describe lists what the stage offers and where it runs; a Connect for a transport the
+    stage does not offer (cuda_ipc on CPU), for one not implemented (nccl), or for a feedback
+    link other than tcp, is refused with the status and the names; tcp still links after."""
+    cfg = StageConfig(checkpoint, model_impl="null", stage_index=1, num_stages=2)
+
+    def listen(transport: int, role: int = pb.LINK_ROLE_LISTEN_UPSTREAM) -> pb.ConnectRequest:
+        return pb.ConnectRequest(role=role, transport=transport, address="127.0.0.1", epoch=1,
+                                 link_token=bytes(range(32)))
+
+    async def body() -> tuple[pb.DescribeResponse, list[tuple[grpc.StatusCode, str]], str]:
+        async with serving(cfg) as stub:
+            info = await stub.Describe(pb.DescribeRequest())
+            errors = []
+            for request in (listen(pb.TRANSPORT_CUDA_IPC), listen(pb.TRANSPORT_NCCL),
+                            listen(pb.TRANSPORT_CUDA_IPC, pb.LINK_ROLE_CONNECT_FEEDBACK)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Connect(request)
+                errors.append((e.value.code(), e.value.details() or ""))
+            ok = await stub.Connect(listen(pb.TRANSPORT_TCP))
+            return info, errors, ok.address
+
+    info, errors, address = asyncio.run(body())
+    assert list(info.transports) == [pb.TRANSPORT_TCP]
+    assert info.host_id and "/" in info.host_id
+    assert errors[0] == (grpc.StatusCode.FAILED_PRECONDITION, "transport TRANSPORT_CUDA_IPC "
+                         "is not offered by this stage (it offers TRANSPORT_TCP)")
+    assert errors[1][0] == grpc.StatusCode.UNIMPLEMENTED and "TRANSPORT_NCCL" in errors[1][1]
+    assert errors[2] == (grpc.StatusCode.INVALID_ARGUMENT,
+                         "the feedback link is TRANSPORT_TCP only")
+    assert address.startswith("127.0.0.1:")
