@@ -3,8 +3,9 @@
 Gateway: requests by route and status, request duration and time to first token as
 histograms, requests in flight, tokens, client disconnects. Router (read from GetStats at
 scrape time): queue, KV blocks on the router's books and per stage as
-`stagemesh_kv_blocks_used{stage="i"}`, steps and finished requests; `stagemesh_router_up` is
-0 when the router did not answer.
+`stagemesh_kv_blocks_used{stage="i"}`, the transport of each hop between stages as
+`stagemesh_stage_hop_transport{stage="i",transport="tcp"} 1`, steps and finished requests;
+`stagemesh_router_up` is 0 when the router did not answer.
 """
 
 from __future__ import annotations
@@ -154,4 +155,10 @@ def router_families(stats: pb.GetStatsResponse | None) -> list[Family]:
         for s in stats.stages:
             fam.set(float(getattr(s, attr)), (("stage", str(s.stage)),))
         out.append(fam)
+    hops = Family("stagemesh_stage_hop_transport", "gauge",
+                  "1 for the data-plane transport of the hop from the stage to the next")
+    for s in stats.stages:
+        if s.transport:  # the last stage has no hop
+            hops.set(1, (("stage", str(s.stage)), ("transport", s.transport)))
+    out.append(hops)
     return out

@@ -49,6 +49,11 @@ class RouterConfig:
         audit_log: one JSON line per Generate call on stderr (`router.audit`).
         audit_log_content: put the prompt and output text in those lines (the users' data:
             off unless asked for).
+        transport: the data-plane transport of each hop between stages: "auto" (CUDA IPC
+            between two stages on one host that both offer it, falling back to TCP for a
+            hop where that link fails; TCP elsewhere), "tcp", or "cuda_ipc" (every hop; the
+            pipeline does not come up while a hop cannot have it). The feedback link (last
+            stage -> first stage) is always TCP.
     """
 
     model_dir: Path
@@ -78,6 +83,7 @@ class RouterConfig:
     api_processes: int = 1
     audit_log: bool = True
     audit_log_content: bool = False
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.engine_core not in ("process", "task"):
@@ -87,3 +93,6 @@ class RouterConfig:
         if self.run_ahead_depth < 2:
             raise ValueError(f"run_ahead_depth must be >= 2 (one step planned on another), "
                              f"got {self.run_ahead_depth}")
+        if self.transport not in ("auto", "tcp", "cuda_ipc"):
+            raise ValueError(f"transport must be 'auto', 'tcp' or 'cuda_ipc', "
+                             f"got {self.transport!r}")

@@ -103,6 +103,8 @@ class Frontend:
         self._seq_ids = itertools.count((front_id << SEQ_ID_FRONT_SHIFT) + 1)
         self.served: asyncio.Future[ServedInfo] = asyncio.get_running_loop().create_future()
         self.core_ready = False
+        # The transport of each hop between stages, as the core's latest state says.
+        self.hop_transports: list[str] = []
         self._stats: dict[int, asyncio.Future[CoreStats]] = {}
         self._stats_ids = itertools.count()
 
@@ -193,6 +195,7 @@ class Frontend:
 
     def _on_state(self, msg: CoreState) -> None:
         self.core_ready = msg.ready
+        self.hop_transports = msg.hop_transports
         if self.served.done():
             return
         if msg.served is not None:

@@ -4,7 +4,9 @@
 The gRPC server (with health) is up while the pipeline starts, but what the service answers
 with (the request limits, the model's context) depends on what the stages report. The
 engine core sends it once (`ServedInfo`, in the front's `served` future), built from the
-pipeline's shape and never changed; until then calls get UNAVAILABLE.
+pipeline's shape and never changed; until then calls get UNAVAILABLE. The data-plane
+transport of each hop (GetModelInfo's `hop_transports`) comes with every state the core
+sends: a pipeline that re-links may link a hop differently.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             vocab_size=limits.vocab_size, num_stages=info.num_stages,
             tp_size=info.tp_size, block_size=info.block_size, dtype=info.dtype,
             max_tokens_limit=limits.max_tokens_cap, max_n=limits.max_n,
-            max_logprobs=limits.max_logprobs,
+            max_logprobs=limits.max_logprobs, hop_transports=self.front.hop_transports,
         )
 
     @unary_errors
@@ -139,7 +141,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         stages = [pb.StageStats(stage=s.stage, ready=s.ready, layer_start=s.layer_start,
                                 layer_end=s.layer_end, kv_blocks_used=s.kv_blocks_used,
                                 kv_blocks_total=s.kv_blocks_total,
-                                num_sequences=s.num_sequences) for s in stats.stages]
+                                num_sequences=s.num_sequences, transport=s.transport)
+                  for s in stats.stages]
         hit = (stats.prefix_hit_tokens / stats.prefix_query_tokens
                if stats.prefix_query_tokens else 0.0)
         return pb.GetStatsResponse(

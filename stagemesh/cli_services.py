@@ -100,6 +100,10 @@ def _add_stage(commands: SubParsers) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode steps")
     _add_compression_arg(p)
+    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc"),
+                   help="data-plane transports this stage offers for activations: auto (tcp, "
+                        "and cuda_ipc on a CUDA device with cupy installed), or only one; the "
+                        "router picks per hop among what both ends offer")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
     add_stage_token_arg(p, "only a router that presents it may call this stage")
@@ -150,6 +154,7 @@ def _stage(args: argparse.Namespace) -> int:
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
         enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
+        transport=args.transport,
     )
     return run_stage(cfg, args.ready_file, server_tls_of(args), stage_token_of(args))
 
@@ -194,6 +199,14 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "connections across them; a connection stays on one process. Raise "
                         "it when one process's per-token work limits throughput, e.g. "
                         "hundreds of concurrent streams (default: %(default)s)")
+    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc"),
+                   help="data-plane transport of each hop between stages: auto (cuda_ipc "
+                        "between two stages on one host that both offer it, TCP elsewhere and "
+                        "for a hop whose cuda_ipc link fails), tcp, or cuda_ipc (every hop; "
+                        "the pipeline does not come up while one cannot have it). The "
+                        "feedback link (last stage to first) is always TCP. `stagemesh serve` "
+                        "passes it to its stages too, which then offer only that transport "
+                        "(auto: what they can) (default: %(default)s)")
 
 
 def _add_router(commands: SubParsers) -> None:
@@ -230,6 +243,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         run_ahead_depth=args.run_ahead_depth, api_processes=args.api_processes,
         api_keys=api_keys(args),
         audit_log=not args.no_audit_log, audit_log_content=args.audit_log_content,
+        transport=args.transport,
     )
 
 

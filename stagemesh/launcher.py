@@ -112,13 +112,14 @@ def _stage_devices(args: argparse.Namespace) -> list[str]:
 
 def _stage_flags(args: argparse.Namespace, device: str, stages_on_device: int) -> list[str]:
     """The flags every stage gets from `serve`: the same step capacity as the router's
-    (--max-num-batched-tokens, --max-num-seqs), model implementation, pool and dtype; on a
-    GPU, its share of the card's memory."""
+    (--max-num-batched-tokens, --max-num-seqs), the same --transport (what it offers),
+    model implementation, pool and dtype; on a GPU, its share of the card's memory."""
     flags = ["--device", device, "--num-stages", str(args.stages), "--tp", str(args.tp),
              "--dtype", args.dtype,
              "--model-impl", args.model_impl,
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--max-num-seqs", str(args.max_num_seqs)]
+             "--max-num-seqs", str(args.max_num_seqs),
+             "--transport", args.transport]
     if args.num_blocks:
         flags += ["--num-blocks", str(args.num_blocks)]
     if args.kv_cache_gb:
@@ -164,7 +165,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--stream-interval", str(args.stream_interval),
               "--engine-core", args.engine_core,
               "--run-ahead-depth", str(args.run_ahead_depth),
-              "--api-processes", str(args.api_processes)]
+              "--api-processes", str(args.api_processes),
+              "--transport", args.transport]
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:

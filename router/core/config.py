@@ -24,6 +24,8 @@ class CoreConfig:
             the token to the first stage over the data plane).
         run_ahead_depth: as `RouterConfig`.
         stage_token: as `RouterConfig`.
+        transport: the data-plane transport asked for, as `RouterConfig` ("auto", "tcp",
+            "cuda_ipc"); the pipeline driver picks each hop's (`Pipeline.hop_transports`).
     """
 
     model_dir: str
@@ -42,6 +44,7 @@ class CoreConfig:
     run_ahead: bool = True
     run_ahead_depth: int = 4
     stage_token: str = field(default="", repr=False)
+    transport: str = "auto"
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -159,7 +159,8 @@ class EngineCore:
         return self.scheduler is not None and self.pipeline.state is PipelineState.READY
 
     def _state(self) -> CoreState:
-        return self.start_error or CoreState(self.ready, self.served)
+        return self.start_error or CoreState(self.ready, self.served,
+                                             hop_transports=list(self.pipeline.hop_transports))
 
     def _publish_state(self) -> None:
         if self.ready != self._was_ready:
@@ -369,10 +370,13 @@ class EngineCore:
         kv = stats.kv
         ready = self.ready
         stages = []
-        for i, info in enumerate(await self.pipeline.stage_stats()):
-            stages.append(StageStat(i, False) if info is None else StageStat(
+        infos = await self.pipeline.stage_stats()
+        hops = self.pipeline.hop_transports
+        for i, info in enumerate(infos):
+            hop = hops[i] if i < len(hops) else ""  # the last stage has no hop
+            stages.append(StageStat(i, False, transport=hop) if info is None else StageStat(
                 i, ready, info.layer_start, info.layer_end, info.kv_blocks_used,
-                info.num_kv_blocks, info.num_sequences))
+                info.num_kv_blocks, info.num_sequences, hop))
         self.sink.send(msg.front, CoreStats(
             msg.request_id, stats.num_waiting, stats.num_running, kv.num_used_blocks,
             kv.num_blocks, kv.num_cached_free_blocks, kv.prefix_query_tokens,

@@ -157,15 +157,22 @@ class ServedInfo(msgspec.Struct, array_like=True):
 class CoreState(msgspec.Struct, tag=True, array_like=True):
     """The core's state, sent at every change. `served` is set once the pipeline was up once;
     `error` is set when the core could not start (it exits after sending it), with `kind`
-    "capacity" (a flag exceeds a stage) or "pipeline" (the stages never came up)."""
+    "capacity" (a flag exceeds a stage) or "pipeline" (the stages never came up).
+    `hop_transports`: the data-plane transport of each hop between stages ("tcp",
+    "cuda_ipc"; P - 1, pipeline order) of the pipeline's latest linking (it may change when
+    the pipeline comes back)."""
 
     ready: bool
     served: ServedInfo | None = None
     error: str = ""
     kind: str = ""
+    hop_transports: list[str] = []
 
 
 class StageStat(msgspec.Struct, array_like=True):
+    """One stage's figures; `transport`: that of the hop to the next stage ("" for the
+    last)."""
+
     stage: int
     ready: bool
     layer_start: int = 0
@@ -173,6 +180,7 @@ class StageStat(msgspec.Struct, array_like=True):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     num_sequences: int = 0
+    transport: str = ""
 
 
 class CoreStats(msgspec.Struct, tag=True, array_like=True):

@@ -138,29 +138,49 @@ def _unpack_int64(data: bytes, step: int, field: str) -> array[int]:
     return values
 
 
+# The data-plane transports by the router's names for them (`router.pipeline.transports`).
+_TRANSPORT_NAMES = {pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_CUDA_IPC: "cuda_ipc",
+                    pb.TRANSPORT_NCCL: "nccl"}
+_TRANSPORT_ENUMS = {name: value for value, name in _TRANSPORT_NAMES.items()}
+
+
 def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:
+    """The stage's answer as a StageInfo. Transports by name ("tcp", "cuda_ipc", "nccl";
+    one this router does not know is left out); a stage that reports none (older than the
+    field) offers "tcp"."""
+    transports = tuple(_TRANSPORT_NAMES[t] for t in msg.transports if t in _TRANSPORT_NAMES)
     return StageInfo(
         stage_index=msg.stage_index, num_stages=msg.num_stages, layer_start=msg.layer_start,
         layer_end=msg.layer_end, device=msg.device, dtype=msg.dtype, tp_size=msg.tp_size,
         num_kv_blocks=msg.num_kv_blocks, block_size=msg.block_size, vocab_size=msg.vocab_size,
         max_num_batched_tokens=msg.max_num_batched_tokens, max_num_seqs=msg.max_num_seqs,
         model_impl=msg.model_impl, kv_blocks_used=msg.kv_blocks_used,
-        num_sequences=msg.num_sequences)
+        num_sequences=msg.num_sequences, transports=transports or ("tcp",),
+        host_id=msg.host_id)
 
 
-def listen_request(epoch: int, token: bytes, host: str,
+def _transport_enum(transport: str) -> pb.Transport:
+    try:
+        return _TRANSPORT_ENUMS[transport]
+    except KeyError:
+        raise ValueError(f"unknown data-plane transport {transport!r}") from None
+
+
+def listen_request(epoch: int, token: bytes, host: str, transport: str,
                    feedback: bool = False) -> pb.ConnectRequest:
-    """Ask a stage to listen for its upstream neighbour (or, `feedback`, the first stage for
-    the last stage's sampled ids); `host` is the router's name for it."""
+    """Ask a stage to listen for its upstream neighbour over `transport` ("tcp",
+    "cuda_ipc") (or, `feedback`, the first stage for the last stage's sampled ids); `host`
+    is the router's name for it."""
     role = pb.LINK_ROLE_LISTEN_FEEDBACK if feedback else pb.LINK_ROLE_LISTEN_UPSTREAM
-    return pb.ConnectRequest(role=role, transport=pb.TRANSPORT_TCP, address=host,
+    return pb.ConnectRequest(role=role, transport=_transport_enum(transport), address=host,
                              link_token=token, epoch=epoch)
 
 
-def connect_request(epoch: int, token: bytes, address: str,
+def connect_request(epoch: int, token: bytes, address: str, transport: str,
                     feedback: bool = False) -> pb.ConnectRequest:
-    """Ask a stage to dial its downstream neighbour's listener (or, `feedback`, the last
-    stage the first stage's feedback listener) at `address` (host:port)."""
+    """Ask a stage to dial its downstream neighbour's listener over `transport` (or,
+    `feedback`, the last stage the first stage's feedback listener) at `address`
+    (host:port)."""
     role = pb.LINK_ROLE_CONNECT_FEEDBACK if feedback else pb.LINK_ROLE_CONNECT_DOWNSTREAM
-    return pb.ConnectRequest(role=role, transport=pb.TRANSPORT_TCP, address=address,
+    return pb.ConnectRequest(role=role, transport=_transport_enum(transport), address=address,
                              link_token=token, epoch=epoch)

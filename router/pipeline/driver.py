@@ -9,6 +9,11 @@ core has ready together in one message; the last stage answers every step with i
 tokens (the answers it has ready together in one message), the others only a step that
 failed. Any broken stream, stage error or step past its timeout marks the pipeline down;
 `start()` again brings it back with a new epoch.
+
+Each hop i -> i+1 is linked over the transport `choose_transport` picks from the two stages'
+Describe answers and the `transport` asked for (`router.pipeline.transports`); with "auto",
+a hop whose CUDA IPC link the stages refuse (UNAVAILABLE, FAILED_PRECONDITION: e.g. the two
+processes cannot share GPU memory) is linked over TCP instead. The feedback link is TCP.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from enum import Enum
+from itertools import pairwise
 
 import grpc
 
@@ -28,9 +34,23 @@ from router.pipeline.convert import plans_to_protos
 from router.pipeline.outcome import StepOutcome
 from router.pipeline.shape import PipelineError, PipelineShape, StageInfo, check_shape
 from router.pipeline.stage_client import StageClient, describe_error
+from router.pipeline.transports import (
+    AUTO,
+    CUDA_IPC,
+    TCP,
+    TRANSPORT_CHOICES,
+    choose_transport,
+    describe_hops,
+)
 from router.scheduler import StepPlan
 
 log = logging.getLogger("stagemesh.router")
+
+# What a stage answers a Connect whose CUDA IPC link cannot be made on its side (no shared
+# GPU memory between the two processes, the peer's handles refused): with "auto", that hop
+# is linked over TCP instead. Any other failure is the pipeline's (start() retries).
+CUDA_IPC_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.FAILED_PRECONDITION})
 
 
 class PipelineState(Enum):
@@ -56,19 +76,29 @@ class Pipeline:
 
     on_outcome: called with the last stage's answer to every plan, in step order.
     on_failure: called once when the pipeline goes down, with the reason.
+    transport: the data-plane transport asked for, one of TRANSPORT_CHOICES ("auto",
+        "tcp", "cuda_ipc"; see `choose_transport`).
+    hop_transports: the transport each hop i -> i+1 uses ("tcp", "cuda_ipc"), P - 1
+        entries in pipeline order, of the last epoch whose links all came up ([] before
+        the first).
     """
 
     def __init__(self, addresses: list[str], connect_timeout_s: float = 10.0,
                  credentials: grpc.ChannelCredentials | None = None,
-                 stage_token: str = "") -> None:
+                 stage_token: str = "", transport: str = AUTO) -> None:
         if not addresses:
             raise PipelineError("a pipeline needs at least one stage address")
+        if transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, "
+                             f"got {transport!r}")
         last = len(addresses) - 1
         self.stages = [StageClient(i, a, i == last, credentials, stage_token)
                        for i, a in enumerate(addresses)]
         self.on_outcome: OutcomeHandler = _ignore_outcome
         self.on_failure: FailureHandler = _ignore_failure
         self.connect_timeout_s = connect_timeout_s
+        self.transport = transport
+        self.hop_transports: list[str] = []
         self.state = PipelineState.STARTING
         self.shape: PipelineShape | None = None
         self.epoch = 0
@@ -99,37 +129,64 @@ class Pipeline:
 
     async def _start_once(self) -> PipelineShape:
         self._close_streams()
-        infos = await asyncio.gather(*(s.describe(self.connect_timeout_s) for s in self.stages))
-        shape = check_shape(list(infos))
+        infos = list(await asyncio.gather(*(s.describe(self.connect_timeout_s)
+                                            for s in self.stages)))
+        shape = check_shape(infos)
         if self.shape is not None and (short := shape.covers(self.shape)) is not None:
             raise PipelineError(short)
         self.shape = self.shape or shape
         self.epoch += 1
         self._due = deque()
-        await self._link()
+        await self._link(infos)
         for stage in self.stages:
             stage.open_run()
         self._readers = [asyncio.create_task(self._read(s, self.epoch)) for s in self.stages]
         self.state = PipelineState.READY
         log.info("pipeline ready (epoch %d): %d stage(s), %d KV blocks of %d tokens, steps "
-                 "up to %d tokens / %d sequences", self.epoch, shape.num_stages,
+                 "up to %d tokens / %d sequences; %s", self.epoch, shape.num_stages,
                  shape.num_kv_blocks, shape.block_size, shape.max_num_batched_tokens,
-                 shape.max_num_seqs)
+                 shape.max_num_seqs, describe_hops(self.hop_transports))
         return self.shape
 
-    async def _link(self) -> None:
-        """Stage i+1 listens, stage i connects; with more than one stage, the first stage
-        listens for the last stage's feedback link (the run-ahead inputs). A fresh token per
-        link, per epoch."""
-        timeout = self.connect_timeout_s
-        for up, down in zip(self.stages, self.stages[1:], strict=False):
-            token = secrets.token_bytes(32)
-            address = await down.listen(self.epoch, token, timeout)
-            await up.connect(self.epoch, token, address, timeout)
+    async def _link(self, infos: list[StageInfo]) -> None:
+        """Stage i+1 listens, stage i connects, over the transport chosen for that hop from
+        `infos` (the stages' Describe answers of this epoch); with more than one stage, the
+        first stage listens for the last stage's feedback link (the run-ahead inputs), over
+        TCP. A fresh token per link, per epoch. Sets `hop_transports` once every link is up.
+
+        Raises PipelineError (a forced "cuda_ipc" a hop cannot have) or
+        grpc.aio.AioRpcError (a link the stages could not make).
+        """
+        kinds = [choose_transport(up, down, self.transport)
+                 for up, down in pairwise(infos)]
+        hops: list[str] = []
+        for (up, down), kind in zip(pairwise(self.stages), kinds, strict=True):
+            try:
+                await self._link_hop(up, down, kind)
+            except grpc.aio.AioRpcError as e:
+                if not (kind == CUDA_IPC and self.transport == AUTO
+                        and e.code() in CUDA_IPC_FALLBACK_CODES):
+                    raise
+                log.warning("hop %d->%d: the cuda_ipc link failed (%s); linking it over tcp",
+                            up.index, down.index, describe_error(e))
+                kind = TCP
+                await self._link_hop(up, down, kind)  # the new listen replaces the old one
+            hops.append(kind)
         if len(self.stages) > 1:
             token = secrets.token_bytes(32)
-            address = await self.stages[0].listen(self.epoch, token, timeout, feedback=True)
-            await self.stages[-1].connect(self.epoch, token, address, timeout, feedback=True)
+            timeout = self.connect_timeout_s
+            address = await self.stages[0].listen(self.epoch, token, timeout, feedback=True,
+                                                  transport=TCP)
+            await self.stages[-1].connect(self.epoch, token, address, timeout, feedback=True,
+                                          transport=TCP)
+        self.hop_transports = hops
+
+    async def _link_hop(self, up: StageClient, down: StageClient, kind: str) -> None:
+        """`down` listens over `kind`, `up` connects to it; a fresh token."""
+        token = secrets.token_bytes(32)
+        timeout = self.connect_timeout_s
+        address = await down.listen(self.epoch, token, timeout, transport=kind)
+        await up.connect(self.epoch, token, address, timeout, transport=kind)
 
     async def send(self, plans: Sequence[StepPlan]) -> None:
         """Write plans of consecutive steps (oldest first) to every stage's stream, one

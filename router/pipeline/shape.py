@@ -16,6 +16,10 @@ class StageInfo:
     num_kv_blocks: blocks of its pool the router may hand out.
     max_num_batched_tokens: the largest step (tokens computed) it sized its activations for.
     max_num_seqs: the most sequences one step may compute.
+    transports: the data-plane transports it offers ("tcp", "cuda_ipc", "nccl"); a stage
+        that reports none offers "tcp".
+    host_id: which machine it runs on (host name and boot id): two stages with the same
+        non-empty host_id share a host; "" = not reported (an older stage).
     """
 
     stage_index: int
@@ -33,6 +37,8 @@ class StageInfo:
     model_impl: str
     kv_blocks_used: int = 0
     num_sequences: int = 0
+    transports: tuple[str, ...] = ("tcp",)
+    host_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -60,19 +60,21 @@ class StageClient:
                                 f"{describe_error(e)}") from e
 
     async def listen(self, epoch: int, token: bytes, timeout_s: float,
-                     feedback: bool = False) -> str:
-        """Make this stage listen for its upstream neighbour (`feedback`: the first stage,
-        for the last stage's sampled ids); returns the host:port to dial."""
+                     feedback: bool = False, transport: str = "tcp") -> str:
+        """Make this stage listen for its upstream neighbour over `transport` ("tcp",
+        "cuda_ipc") (`feedback`: the first stage, for the last stage's sampled ids); returns
+        the host:port to dial. Raises grpc.aio.AioRpcError when the stage refuses."""
         host = self.address.rpartition(":")[0] or "127.0.0.1"
-        reply = await self.stub.Connect(listen_request(epoch, token, host, feedback),
+        reply = await self.stub.Connect(listen_request(epoch, token, host, transport, feedback),
                                         timeout=timeout_s, metadata=self.metadata)
         return str(reply.address)
 
     async def connect(self, epoch: int, token: bytes, address: str, timeout_s: float,
-                      feedback: bool = False) -> None:
-        """Make this stage dial its downstream neighbour (`feedback`: the last stage, the
-        first stage's feedback listener) at `address`."""
-        await self.stub.Connect(connect_request(epoch, token, address, feedback),
+                      feedback: bool = False, transport: str = "tcp") -> None:
+        """Make this stage dial its downstream neighbour over `transport` (`feedback`: the
+        last stage, the first stage's feedback listener) at `address`. Raises
+        grpc.aio.AioRpcError when the link fails (e.g. UNAVAILABLE, FAILED_PRECONDITION)."""
+        await self.stub.Connect(connect_request(epoch, token, address, transport, feedback),
                                 timeout=timeout_s, metadata=self.metadata)
 
     def open_run(self) -> None:

@@ -119,7 +119,8 @@ def test_metrics_text_with_and_without_router_stats() -> None:
     m = GatewayMetrics()
     m.requests.inc((("route", '/v1/"x"\n'), ("method", "GET"), ("status", "200")))
     stats = pb.GetStatsResponse(num_running=2, kv_blocks_used=5, kv_blocks_total=64, stages=[
-        pb.StageStats(stage=0, kv_blocks_used=5, kv_blocks_total=64, ready=True),
+        pb.StageStats(stage=0, kv_blocks_used=5, kv_blocks_total=64, ready=True,
+                      transport="cuda_ipc"),
         pb.StageStats(stage=1, kv_blocks_used=4, kv_blocks_total=64, ready=True)])
     lines = m.render(stats).splitlines()
     assert 'stagemesh_gateway_requests_total{route="/v1/\\"x\\"\\n",method="GET",' \
@@ -127,6 +128,8 @@ def test_metrics_text_with_and_without_router_stats() -> None:
     assert 'stagemesh_kv_blocks_used{stage="0"} 5' in lines
     assert 'stagemesh_kv_blocks_used{stage="1"} 4' in lines
     assert "stagemesh_router_requests_running 2" in lines
+    assert [line for line in lines if line.startswith("stagemesh_stage_hop_transport{")] \
+        == ['stagemesh_stage_hop_transport{stage="0",transport="cuda_ipc"} 1']
     assert "# TYPE stagemesh_kv_blocks_used gauge" in lines
     down = m.render(None).splitlines()
     assert "stagemesh_router_up 0" in down

@@ -1,0 +1,65 @@
+"""Which data-plane transport each hop between two neighbouring stages uses.
+
+The router's `--transport` asks for one: "auto" (CUDA IPC where two stages can share GPU
+memory, TCP elsewhere), "tcp" everywhere, or "cuda_ipc" everywhere (an error naming the
+stage when a hop cannot). The feedback link (last stage -> first stage: a few host ints per
+step) is always TCP.
+"""
+
+from __future__ import annotations
+
+from router.pipeline.shape import PipelineError, StageInfo
+
+TCP = "tcp"
+CUDA_IPC = "cuda_ipc"
+AUTO = "auto"
+TRANSPORT_CHOICES = (AUTO, TCP, CUDA_IPC)  # what `--transport` accepts
+
+
+def choose_transport(up: StageInfo, down: StageInfo, wanted: str) -> str:
+    """The transport of the hop `up` -> `down` (neighbours, in pipeline order).
+
+    wanted: "auto" -> "cuda_ipc" when both stages offer it and report the same non-empty
+    host_id, else "tcp"; "tcp" -> "tcp"; "cuda_ipc" -> "cuda_ipc" when that holds.
+
+    Raises:
+        PipelineError: "cuda_ipc" was asked for and this hop cannot have it (naming the
+            stage(s) that do not offer it, or the two hosts).
+        ValueError: `wanted` is none of TRANSPORT_CHOICES.
+    """
+    if wanted not in TRANSPORT_CHOICES:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, "
+                         f"got {wanted!r}")
+    if wanted == TCP:
+        return TCP
+    why = _why_not_cuda_ipc(up, down)
+    if why is None:
+        return CUDA_IPC
+    if wanted == AUTO:
+        return TCP
+    raise PipelineError(f"--transport cuda_ipc: the hop from stage {up.stage_index} to stage "
+                        f"{down.stage_index} cannot use cuda_ipc: {why}")
+
+
+def _why_not_cuda_ipc(up: StageInfo, down: StageInfo) -> str | None:
+    """None when the two stages can link over CUDA IPC, else why not."""
+    lacking = [s for s in (up, down) if CUDA_IPC not in s.transports]
+    if lacking:
+        return "; ".join(f"stage {s.stage_index} does not offer it (it offers "
+                         f"{', '.join(s.transports)})" for s in lacking)
+    unknown = [s for s in (up, down) if not s.host_id]
+    if unknown:
+        return "; ".join(f"stage {s.stage_index} does not report its host" for s in unknown)
+    if up.host_id != down.host_id:
+        return f"they run on different hosts ({up.host_id!r} and {down.host_id!r})"
+    return None
+
+
+def describe_hops(hops: list[str]) -> str:
+    """The hops for a log line: "hops: tcp" when all are alike, else each one
+    ("hops: 0->1 cuda_ipc, 1->2 tcp"); "no hops" for a single stage."""
+    if not hops:
+        return "no hops"
+    if len(set(hops)) == 1:
+        return f"hops: {hops[0]}"
+    return "hops: " + ", ".join(f"{i}->{i + 1} {kind}" for i, kind in enumerate(hops))
