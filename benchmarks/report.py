@@ -45,3 +45,17 @@ def write_json(path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -
            "results": rows}
     path.write_text(json.dumps(doc, indent=2))
     print(f"wrote {path}")
+
+
+def hop_transports(address: str) -> list[str]:
+    """The data-plane transport of each hop of the mesh at `address`, as its router reports
+    it (GetModelInfo): what a figure was measured over, not what was asked for."""
+    import grpc
+
+    from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        info = inference_pb2_grpc.InferenceServiceStub(channel).GetModelInfo(
+            inference_pb2.GetModelInfoRequest(), timeout=30)
+    return list(info.hop_transports)
+

@@ -203,7 +203,8 @@ def served(info: Any) -> dict[str, Any]:
     """What the router says it serves (GetModelInfo)."""
     return {"model": info.model, "dtype": info.dtype, "stages": info.num_stages,
             "tp": info.tp_size, "block_size": info.block_size,
-            "context_length": info.context_length, "vocab_size": info.vocab_size}
+            "context_length": info.context_length, "vocab_size": info.vocab_size,
+            "hop_transports": list(info.hop_transports)}
 
 
 async def measure(mesh: Mesh, args: argparse.Namespace, config: dict[str, Any]
@@ -279,7 +280,8 @@ def base_config(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     return {
         "workload": workload, "model": args.model, "model_dir": str(model_dir),
         "shape": model_shape(model_dir), "device": args.device, "stages": args.stages,
-        "tp": args.tp, "transport": "tcp data plane, gRPC control", "prefix_caching": False,
+        "tp": args.tp, "transport": "gRPC control; data plane per hop: served.hop_transports",
+        "prefix_caching": False,
         "serve_flags": " ".join(serve_flags(args)), "prompt_len": args.prompt_len,
         "output_len": args.output_len, "prompts": "random token ids, EOS ignored",
         "seed": args.seed, "revision": git_revision()}

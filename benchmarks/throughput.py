@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import git_revision, print_table, write_json
+from benchmarks.report import git_revision, hop_transports, print_table, write_json
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
@@ -110,7 +110,7 @@ def main() -> None:
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)]
                for _ in range(args.requests)]
     config: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "out"}
-    config |= {"transport": "tcp", "tp": 1, "revision": git_revision()}
+    config |= {"tp": 1, "revision": git_revision()}  # each row: the hops' transports
     print(config, flush=True)
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
@@ -119,8 +119,8 @@ def main() -> None:
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  *args.extra.split()]
         with Mesh(*flags, timeout=900) as mesh:
-            rows.append({"stages": p, **run(mesh.address, prompts, args.output_len,
-                                            args.clients)})
+            rows.append({"stages": p, "hop_transports": hop_transports(mesh.address),
+                         **run(mesh.address, prompts, args.output_len, args.clients)})
         print(rows[-1], flush=True)
     for r in rows:
         r["vs_1_stage"] = r["output_tok_s"] / rows[0]["output_tok_s"]
