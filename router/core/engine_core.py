@@ -257,9 +257,9 @@ class EngineCore:
     @staticmethod
     def _room(scheduler: Scheduler) -> bool:
         """Whether to plan now: with nothing outstanding, or room for half the outstanding
-        steps allowed (with run-ahead deeper than 2, steps go out several to a message;
+        steps allowed now (with run-ahead deeper than 2, steps go out several to a message;
         a gRPC message costs far more than a plan in it)."""
-        limit = scheduler.config.max_outstanding_steps
+        limit = scheduler.outstanding_limit
         outstanding = scheduler.num_outstanding_steps
         return outstanding == 0 or limit - outstanding >= max(1, limit // 2)
 

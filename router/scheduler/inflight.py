@@ -16,12 +16,14 @@ class InflightStep:
     step was planned: the stages still compute it, and its sampled token is discarded.
     """
 
-    __slots__ = ("sampling", "silent", "stale", "step_id")
+    __slots__ = ("prefill", "sampling", "silent", "stale", "step_id")
 
-    def __init__(self, step_id: int, sampling: list[Sequence], silent: list[Sequence]) -> None:
+    def __init__(self, step_id: int, sampling: list[Sequence], silent: list[Sequence],
+                 prefill: bool = False) -> None:
         self.step_id = step_id
         self.sampling = sampling  # sample == True in the plan; exactly the result's keys
         self.silent = silent  # non-final prefill chunks
+        self.prefill = prefill  # some sequence computes more than one token (prompt work)
         self.stale: set[int] = set()
 
 
@@ -30,6 +32,7 @@ class InflightSteps:
 
     def __init__(self) -> None:
         self._steps: deque[InflightStep] = deque()
+        self.num_prefill = 0  # outstanding steps that carry prompt work
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -45,6 +48,7 @@ class InflightSteps:
     def push(self, step: InflightStep) -> None:
         """Record a step just planned (its id is above every outstanding one)."""
         self._steps.append(step)
+        self.num_prefill += step.prefill
 
     def oldest(self, step_id: int) -> InflightStep:
         """The oldest outstanding step, which must be ``step_id``.
@@ -61,7 +65,7 @@ class InflightSteps:
 
     def pop_oldest(self) -> None:
         """Drop the oldest step (its result was applied)."""
-        self._steps.popleft()
+        self.num_prefill -= self._steps.popleft().prefill
 
     def mark_stale(self, seq_id: int) -> None:
         """Discard ``seq_id``'s tokens in every outstanding step."""
@@ -71,3 +75,4 @@ class InflightSteps:
     def forget_all(self) -> None:
         """Forget every outstanding step (their results will be refused)."""
         self._steps.clear()
+        self.num_prefill = 0

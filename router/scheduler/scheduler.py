@@ -71,9 +71,22 @@ class Scheduler:
         return len(self._state.inflight)
 
     @property
+    def outstanding_limit(self) -> int:
+        """Steps that may be outstanding now. The full run-ahead depth (P x depth) only
+        while every sequence decodes; while requests wait to be admitted, or an outstanding
+        step carries prompt work, at most P x 2: a request that arrives then is planned
+        within two steps, not behind up to P x depth steps planned before it came (prefill
+        steps are the long ones). Deeper run-ahead is for the steady decode it speeds up."""
+        config, state = self.config, self._state
+        limit = config.max_outstanding_steps
+        if config.run_ahead and (state.waiting or state.inflight.num_prefill):
+            return min(limit, config.max_inflight_steps * 2)
+        return limit
+
+    @property
     def has_capacity(self) -> bool:
         """Whether ``schedule()`` may plan another step now."""
-        return len(self._state.inflight) < self.config.max_outstanding_steps
+        return len(self._state.inflight) < self.outstanding_limit
 
     @property
     def has_unfinished(self) -> bool:
@@ -134,7 +147,7 @@ class Scheduler:
         """Plan the next step.
 
         Returns:
-            The plan, or None when ``max_outstanding_steps`` steps are outstanding or there is
+            The plan, or None when ``outstanding_limit`` steps are outstanding or there is
             nothing to compute and nothing to tell the stages. Every plan returned must be
             answered by exactly one ``update`` call, in step order.
 

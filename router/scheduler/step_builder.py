@@ -272,6 +272,9 @@ class StepBuilder:
             block_copies=tuple(state.block_copies),
         )
         state.block_copies.clear()
-        state.inflight.push(InflightStep(self.step_id, self.sampling, self.silent))
+        config = state.config  # prompt work: some sequence computes more than one token
+        prefill = (config.max_num_batched_tokens - self.token_budget
+                   > config.max_num_seqs - self.seq_budget)
+        state.inflight.push(InflightStep(self.step_id, self.sampling, self.silent, prefill))
         state.next_step_id += 1
         return plan

@@ -76,3 +76,26 @@ def test_run_ahead_keeps_p_consecutive_steps_disjoint() -> None:
     assert [s.input_from_step for p in plans[2:] if p for s in p.cached_seqs] == [0, 0, 1, 1]
     assert scheduler.schedule() is None  # 2 * P outstanding
     scheduler.check_integrity()
+
+
+def test_run_ahead_is_full_depth_only_while_every_sequence_decodes() -> None:
+    """Depth 4 at P = 1: four decode steps may be outstanding; while a request waits, or a
+    step with prompt work is outstanding, two (a new arrival is planned within two steps,
+    not behind four planned before it came)."""
+    scheduler, _ = make_scheduler(block_size=4, run_ahead=True, run_ahead_depth=4)
+    scheduler.add_request(1, [10, 11, 12], None)
+    assert scheduler.outstanding_limit == 2  # a request waits
+    prefill = scheduler.schedule()
+    assert prefill is not None and scheduler.outstanding_limit == 2  # its prefill is out
+    assert scheduler.schedule() is not None and scheduler.schedule() is None
+    scheduler.update(prefill.step_id, {1: 20})
+    assert scheduler.outstanding_limit == 4  # only decodes are out now
+    steps = [scheduler.schedule() for _ in range(4)]
+    assert all(s is not None for s in steps[:3]) and steps[3] is None  # 4 outstanding
+    scheduler.add_request(2, [13, 14], None)
+    assert scheduler.outstanding_limit == 2 and not scheduler.has_capacity
+    for step_id in range(1, 4):  # the planned steps drain; then request 2 joins
+        scheduler.update(step_id, {1: 21 + step_id})
+    joined = scheduler.schedule()
+    assert joined is not None and [s.seq_id for s in joined.new_seqs] == [2]
+    scheduler.check_integrity()
