@@ -50,12 +50,12 @@ def write_json(path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -
 def hop_transports(address: str) -> list[str]:
     """The data-plane transport of each hop of the mesh at `address`, as its router reports
     it (GetModelInfo): what a figure was measured over, not what was asked for."""
-    import grpc
+    import asyncio
 
-    from protos.stagemesh.v1 import inference_pb2, inference_pb2_grpc
+    from router.client import RouterClient
 
-    with grpc.insecure_channel(address) as channel:
-        info = inference_pb2_grpc.InferenceServiceStub(channel).GetModelInfo(
-            inference_pb2.GetModelInfoRequest(), timeout=30)
-    return list(info.hop_transports)
+    async def ask() -> list[str]:
+        async with RouterClient(address) as client:
+            return list((await client.model_info(timeout=30)).hop_transports)
 
+    return asyncio.run(ask())
