@@ -47,6 +47,11 @@ class StageConfig:
             (``tcp``, and ``cuda_ipc`` on a CUDA device with cupy installed), "tcp" or
             "cuda_ipc" (only that one; refused at start where it cannot work). The router
             picks per hop among what both ends offer.
+        dataplane_tls_cert / dataplane_tls_key / dataplane_tls_ca: PEM files; all three turn
+            TLS on for the stage's TCP data-plane links (`DataPlaneTls`): this stage's
+            certificate and key (presented when it accepts a link), and the CA that signed
+            the other stages' certificates (checked with the dialled name when it connects).
+            "" = plaintext.
     """
 
     model_dir: Path
@@ -73,6 +78,9 @@ class StageConfig:
     enforce_eager: bool = False
     activation_compression: str = "none"
     transport: str = "auto"
+    dataplane_tls_cert: str = ""
+    dataplane_tls_key: str = ""
+    dataplane_tls_ca: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
@@ -85,6 +93,10 @@ class StageConfig:
             raise ValueError(f"activation_compression must be one of "
                              f"{', '.join(COMPRESSION_CHOICES)}, got "
                              f"{self.activation_compression!r}")
+        tls = (self.dataplane_tls_cert, self.dataplane_tls_key, self.dataplane_tls_ca)
+        if any(tls) and not all(tls):
+            raise ValueError("data-plane TLS needs the stage's certificate and key "
+                             "(--tls-cert, --tls-key) and --dataplane-tls-ca")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got "
                              f"{self.transport!r}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from stage_worker import tp_fanout
-from stage_worker.dataplane import TransportKind
+from stage_worker.dataplane import DataPlaneConfig, TransportKind
 from stage_worker.dataplane.compression import (
     CompressedFormError,
     Compression,
@@ -56,11 +56,13 @@ class StageLeader:
 
     def __init__(self, rank: StageRank, step_timeout_s: float,
                  dataplane: DataPlaneAddress | None = None,
-                 compression: Compression = Compression.NONE, transport: str = "auto") -> None:
+                 compression: Compression = Compression.NONE, transport: str = "auto",
+                 dataplane_config: DataPlaneConfig | None = None) -> None:
         """`dataplane`: where the listeners bind (default: the router's name).
         `compression`: the form of the activations sent downstream (the receiver reads any).
         `transport`: what the stage offers for activation links ("auto", "tcp", "cuda_ipc";
-        see `offered_transports`). Raises ValueError where "cuda_ipc" cannot work."""
+        see `offered_transports`). Raises ValueError where "cuda_ipc" cannot work.
+        `dataplane_config`: the links' limits and TLS (default: plaintext, default limits)."""
         self.rank = rank
         self.step_timeout_s = step_timeout_s
         self.compression = compression
@@ -71,7 +73,8 @@ class StageLeader:
             shape.device, rank.limits.max_num_batched_tokens, shape.hidden_size, shape.dtype)
         self.transports = offered_transports(transport, ring)
         self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s,
-                                    on_feedback=inbox.attach, ring=ring)
+                                    on_feedback=inbox.attach, ring=ring,
+                                    config=dataplane_config)
         self._pending: _Sampling | None = None  # `step_overlapped`: sampled, not resolved
         self.steps_overlapped = 0  # steps queued on the GPU before the previous one resolved
 

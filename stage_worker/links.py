@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from stage_worker.dataplane import (
+    DataPlaneConfig,
     LinkListener,
     LinkSpec,
     Transport,
@@ -90,10 +91,12 @@ class DataPlaneLinks:
 
     def __init__(self, address: DataPlaneAddress, timeout_s: float,
                  on_feedback: Callable[[Transport], None] | None = None,
-                 ring: RingConfig | None = None) -> None:
+                 ring: RingConfig | None = None,
+                 config: DataPlaneConfig | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.ring = ring
+        self.config = config or DataPlaneConfig()  # limits, TLS
         self.upstream_kind: TransportKind | None = None  # of the links of this epoch
         self.downstream_kind: TransportKind | None = None
         self.epoch = -1
@@ -195,7 +198,7 @@ class DataPlaneLinks:
                 inbound.listener.close()
                 inbound.listener = None
         listener = open_listener(LinkSpec(kind, bind, self.address.port, token),
-                                 ring=self._ring_for(kind))
+                                 config=self.config, ring=self._ring_for(kind))
         inbound.listener = listener
         inbound.ready.clear()
         threading.Thread(target=self._accept, args=(inbound, listener, epoch), daemon=True,
@@ -210,7 +213,7 @@ class DataPlaneLinks:
         ring = self._ring_for(kind)
         device = None if ring is None else ring.device
         return open_link(LinkSpec(kind, host.strip("[]"), int(port), token),
-                         timeout_s=self.timeout_s, device=device)
+                         timeout_s=self.timeout_s, config=self.config, device=device)
 
     def _ring_for(self, kind: TransportKind) -> RingConfig | None:
         """The ring a ``cuda_ipc`` link needs; ValueError where this stage offers none."""

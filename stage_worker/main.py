@@ -23,7 +23,9 @@ from kernels.platform import distributed_backend
 from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.build import build_stage_rank, rank_device
 from stage_worker.config import StageConfig
+from stage_worker.dataplane import DataPlaneConfig
 from stage_worker.dataplane.compression import Compression
+from stage_worker.dataplane.config import DataPlaneTls
 from stage_worker.leader import StageLeader
 from stage_worker.links import DataPlaneAddress
 from stage_worker.parallel import TPGroup, init_tp_group
@@ -58,9 +60,14 @@ def health_servicer() -> health.HealthServicer:
 def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
     """TP rank 0's stage behind its gRPC servicer (the other ranks must be joining `tp`)."""
     rank = build_stage_rank(cfg, tp)
+    tls = DataPlaneTls.load(Path(cfg.dataplane_tls_cert), Path(cfg.dataplane_tls_key),
+                            Path(cfg.dataplane_tls_ca)) if cfg.dataplane_tls_ca else None
+    if tls is not None:
+        log.info("data plane: TLS on every TCP link (certificate %s, peers checked against %s)",
+                 cfg.dataplane_tls_cert, cfg.dataplane_tls_ca)
     leader = StageLeader(rank, cfg.step_timeout_s, DataPlaneAddress(
         cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise),
-        Compression(cfg.activation_compression), cfg.transport)
+        Compression(cfg.activation_compression), cfg.transport, DataPlaneConfig(tls=tls))
     return StageServicer(leader, StageIdentity.of(cfg, rank))
 
 

@@ -18,6 +18,7 @@ from stagemesh.cli_credentials import (
     add_stage_token_arg,
     api_keys,
     client_tls_of,
+    env_path,
     server_tls_of,
     stage_token_of,
 )
@@ -104,11 +105,39 @@ def _add_stage(commands: SubParsers) -> None:
                    help="data-plane transports this stage offers for activations: auto (tcp, "
                         "and cuda_ipc on a CUDA device with cupy installed), or only one; the "
                         "router picks per hop among what both ends offer")
+    p.add_argument("--dataplane-tls-ca", type=Path,
+                   default=env_path("STAGEMESH_DATAPLANE_TLS_CA"),
+                   help="PEM CA that signed the other stages' certificates: turns TLS on for "
+                        "this stage's TCP data-plane links (it presents --tls-cert/--tls-key "
+                        "when it accepts a link, and checks the peer's certificate and the "
+                        "name it dials against this CA when it connects); every stage of the "
+                        "pipeline must set it [$STAGEMESH_DATAPLANE_TLS_CA]")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound address here once serving")
     add_stage_token_arg(p, "only a router that presents it may call this stage")
     add_server_tls_args(p)
     p.set_defaults(handler=_stage)
+
+
+def _dataplane_tls(args: argparse.Namespace) -> tuple[str, str, str]:
+    """The StageConfig fields of data-plane TLS (certificate, key, CA; "" each when off);
+    exits with one line when the flags do not go together or a file cannot be read."""
+    if args.dataplane_tls_ca is None:
+        return "", "", ""
+    if args.tls_cert is None or args.tls_key is None:
+        raise SystemExit("stagemesh stage: --dataplane-tls-ca needs the stage's own "
+                         "certificate: --tls-cert and --tls-key")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                       ("--dataplane-tls-ca", args.dataplane_tls_ca)):
+        if not path.is_file():
+            raise SystemExit(f"stagemesh stage: {flag}: cannot read {path}")
+    from stage_worker.dataplane.config import DataPlaneTls
+
+    try:  # the stage loads them again where it links; a bad file stops it here
+        DataPlaneTls.load(args.tls_cert, args.tls_key, args.dataplane_tls_ca)
+    except ValueError as e:
+        raise SystemExit(f"stagemesh stage: {e}") from None
+    return str(args.tls_cert), str(args.tls_key), str(args.dataplane_tls_ca)
 
 
 def _add_compression_arg(p: argparse.ArgumentParser) -> None:
@@ -142,6 +171,7 @@ def _stage(args: argparse.Namespace) -> int:
         device = str(resolve_device(args.device))
     except DeviceUnavailableError as e:
         raise SystemExit(f"stagemesh stage: --device {e}") from None
+    tls_cert, tls_key, tls_ca = _dataplane_tls(args)
     cfg = StageConfig(
         model_dir=resolve_model(args.model), stage_index=args.stage_index,
         num_stages=args.num_stages, layer_override=args.layers, tp_size=args.tp,
@@ -154,7 +184,8 @@ def _stage(args: argparse.Namespace) -> int:
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
         enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
-        transport=args.transport,
+        transport=args.transport, dataplane_tls_cert=tls_cert, dataplane_tls_key=tls_key,
+        dataplane_tls_ca=tls_ca,
     )
     return run_stage(cfg, args.ready_file, server_tls_of(args), stage_token_of(args))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import enum
 import secrets
+import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # A link token is the only secret of a data-plane link; bounded so a handshake stays tiny.
 MIN_TOKEN_BYTES = 16
@@ -69,6 +71,39 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class DataPlaneTls:
+    """TLS on TCP data-plane links, for links that cross hosts.
+
+    The accepting stage presents its certificate (``server``); the connecting stage checks
+    that certificate against the CA and the name it dialled (``client``), so activations and
+    the link token go only to the stage the router named. The connector is authenticated by
+    the link token inside the encrypted stream, as on plain TCP. Build with `load`.
+    """
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+    @classmethod
+    def load(cls, cert: Path, key: Path, ca: Path) -> DataPlaneTls:
+        """Contexts from PEM files: this stage's certificate chain and key, and the CA that
+        signed the other stages' certificates. Raises ValueError naming the file that
+        cannot be used."""
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies chain and host name
+        for ctx in (server, client):
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            server.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"data-plane TLS: cannot load {cert} / {key}: {e}") from None
+        try:
+            client.load_verify_locations(cafile=ca)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"data-plane TLS: cannot load the CA {ca}: {e}") from None
+        return cls(server, client)
+
+
+@dataclass(frozen=True)
 class DataPlaneConfig:
     """Local limits and timeouts of this stage's data-plane links.
 
@@ -81,12 +116,14 @@ class DataPlaneConfig:
             whose host vanished (no FIN, no RST) is detected even by an unbounded ``recv``
             (after idle + 3 probes x interval). None disables keepalive.
         tcp_keepalive_interval_s: seconds between keepalive probes.
+        tls: TLS on the stage's TCP links (None: plaintext; see `DataPlaneTls`).
     """
 
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     handshake_timeout_s: float = 5.0
     tcp_keepalive_idle_s: int | None = 10
     tcp_keepalive_interval_s: int = 5
+    tls: DataPlaneTls | None = None
 
     def __post_init__(self) -> None:
         if self.max_message_bytes <= 0:

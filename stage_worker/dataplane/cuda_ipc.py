@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -422,7 +422,9 @@ class CudaIpcListener(LinkListener):
         reason = unavailable_reason(ring.device)
         if reason is not None:
             raise ValueError(f"cuda_ipc is not available here: {reason}")
-        self._tcp = TcpListener(host, port, token=token, config=config)
+        # The side link carries credits both ways, and a TLS link serialises its two
+        # directions: it stays plain (the bytes never leave the host).
+        self._tcp = TcpListener(host, port, token=token, config=replace(config, tls=None))
         self._ring = ring
         self._config = config
 
@@ -484,7 +486,8 @@ def connect(host: str, port: int, *, token: bytes, timeout_s: float, device: tor
     if reason is not None:
         raise LinkRefusedError(f"cuda_ipc is not available here: {reason}")
     deadline = time.monotonic() + timeout_s
-    side = TcpTransport.connect(host, port, token=token, timeout_s=timeout_s, config=config)
+    side = TcpTransport.connect(host, port, token=token, timeout_s=timeout_s,
+                                config=replace(config, tls=None))  # see CudaIpcListener
     try:
         return _map_ring(side, device, deadline)
     except BaseException:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import select
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 
@@ -54,6 +55,9 @@ def send_all(
         LinkClosedError: the peer reset the connection or the socket was closed.
     """
     pending = [b for b in buffers if len(b)]
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg, no flags: one record stream
+        _send_all_tls(sock, pending, deadline, poller)
+        return
     total = sum(len(b) for b in pending)
     flags = 0 if deadline is None else socket.MSG_DONTWAIT
     done = 0
@@ -70,6 +74,23 @@ def send_all(
             if done < total:  # partial write: drop what went out, keep the tail
                 pending = _drop_front(pending, sent)
     except OSError as e:  # EPIPE, ECONNRESET, EBADF after a concurrent close
+        raise LinkClosedError(f"data-plane peer went away while sending: {e}") from e
+
+
+def _send_all_tls(sock: ssl.SSLSocket, buffers: Sequence[bytes | memoryview],
+                  deadline: float | None, poller: select.poll | None) -> None:
+    """`send_all` over TLS: each buffer with ``sendall``; with a deadline the wait for room
+    is a ``poll`` before each buffer (a peer that stops reading mid-buffer holds the
+    write until it reads again or the link is closed)."""
+    done = 0
+    try:
+        for buf in buffers:
+            if deadline is not None:
+                assert poller is not None, "a deadline needs a poller"
+                _wait(poller, deadline, done)
+            sock.sendall(buf)
+            done += len(buf)
+    except OSError as e:  # includes ssl.SSLError
         raise LinkClosedError(f"data-plane peer went away while sending: {e}") from e
 
 
@@ -153,10 +174,12 @@ class StreamReader:
 
     def _recv_some(self, view: memoryview, deadline: float | None) -> int:
         """One ``recv_into`` (after a bounded wait when there is a deadline); returns n > 0."""
-        if deadline is not None:
+        sock = self._sock
+        # TLS may hold decrypted bytes already: the socket would not poll readable for them.
+        if deadline is not None and not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             _wait(self._poller, deadline, 0)
         try:
-            n = self._sock.recv_into(view)
+            n = sock.recv_into(view)
         except OSError as e:  # ECONNRESET, EBADF after a concurrent close
             raise LinkClosedError(f"data-plane link failed while receiving: {e}") from e
         if n == 0:

@@ -4,6 +4,10 @@ For CPU-only runs, CI, and hops with no GPU path. The stage that receives listen
 (`TcpListener`), the stage that sends connects (`TcpTransport.connect`); once linked, the
 stream is full duplex. The run-ahead feedback (the last stage's sampled ids, back to stage 0)
 is a link of its own, set up the same way (`stage_worker.feedback`).
+
+With `DataPlaneConfig.tls` the stream is TLS (`DataPlaneTls`): the handshake runs before the
+token's. An OpenSSL connection must not be read and written from two threads at once, so a
+TLS link serialises its two directions (the stage uses each link in one direction only).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +38,7 @@ from stage_worker.dataplane.socket_io import DeadlineExpiredError, StreamReader,
 from stage_worker.dataplane.transport import (
     LinkClosedError,
     LinkListener,
+    LinkRefusedError,
     LinkUnreachableError,
     Transport,
     TransportError,
@@ -71,7 +77,8 @@ class TcpTransport(Transport):
         self._config = config
         self.peer = peer
         self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
+        # One OpenSSL connection must not be used by two threads at once.
+        self._recv_lock = self._send_lock if isinstance(sock, ssl.SSLSocket) else threading.Lock()
         self._close_lock = threading.Lock()
         self._closed = False
         # One poll object per direction: a poll object must not be polled by two threads.
@@ -119,6 +126,8 @@ class TcpTransport(Transport):
             raise LinkUnreachableError(f"cannot connect to data-plane peer {peer}: {e}") from e
         try:
             tune_socket(sock, config)
+            if config.tls is not None:
+                sock = _tls_handshake(sock, config.tls.client, deadline, peer, host)
             present_token(sock, token, deadline, peer)
         except BaseException:
             sock.close()
@@ -271,8 +280,16 @@ class TcpListener(LinkListener):
             peer = f"{addr[0]}:{addr[1]}"
             with contextlib.suppress(OSError):  # a peer already gone fails the handshake below
                 tune_socket(conn, self._config)
-            refusal = check_token_presented(
-                conn, self._token, min(remaining, self._config.handshake_timeout_s))
+            wait = min(remaining, self._config.handshake_timeout_s)
+            refusal = None
+            if self._config.tls is not None:
+                try:
+                    conn = _tls_handshake(conn, self._config.tls.server,
+                                          time.monotonic() + wait, peer)
+                except TransportError as e:
+                    refusal = str(e)
+            if refusal is None:
+                refusal = check_token_presented(conn, self._token, wait)
             if refusal is None:
                 return TcpTransport(conn, config=self._config, peer=peer)
             logger.warning("data-plane listener %s:%d refused peer %s: %s",
@@ -284,3 +301,33 @@ class TcpListener(LinkListener):
         with contextlib.suppress(OSError):  # wakes an accept() blocked in another thread
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+
+
+def _tls_handshake(sock: socket.socket, context: ssl.SSLContext, deadline: float, peer: str,
+                   server_hostname: str | None = None) -> ssl.SSLSocket:
+    """`sock` wrapped in TLS, the handshake done before `deadline` (a server when
+    `server_hostname` is None; a client checks the peer's certificate names it). On failure
+    the connection is closed.
+
+    Raises:
+        LinkRefusedError: the handshake failed (no TLS on the other end, a certificate the
+            CA did not sign or that does not name the host dialled).
+        TransportTimeout: the handshake did not finish in time.
+    """
+    wrapped = context.wrap_socket(sock, server_side=server_hostname is None,
+                                  server_hostname=server_hostname,
+                                  do_handshake_on_connect=False)
+    try:
+        wrapped.settimeout(max(deadline - time.monotonic(), 1e-3))
+        wrapped.do_handshake()
+    except TimeoutError as e:
+        wrapped.close()
+        raise TransportTimeout(f"TLS handshake with data-plane peer {peer} timed out",
+                               link_closed=True) from e
+    except (ssl.SSLError, OSError) as e:
+        wrapped.close()
+        raise LinkRefusedError(f"TLS handshake with data-plane peer {peer} failed ({e}); "
+                               "every stage of the pipeline must run its data plane over TLS "
+                               "(--dataplane-tls-ca), with a certificate naming the address "
+                               "it is dialled at") from e
+    return wrapped

@@ -1,11 +1,13 @@
-"""Mutual TLS on every gRPC hop, over real processes: a stage that accepts only the router's
+"""Mutual TLS on every gRPC hop, over real processes: stages that accept only the router's
 client certificate, a router that serves TLS and accepts only clients its CA signed, and a
-gateway that reaches the router with its own client certificate."""
+gateway that reaches the router with its own client certificate; the two stages' data-plane
+link is TLS too (each stage's certificate, checked against the CA)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 import time
 import urllib.request
@@ -33,6 +35,7 @@ class TlsMesh:
     router: str
     gateway: str
     stage: str
+    stages: tuple[str, ...]
 
 
 def _creds(ca: Path, cert: Path | None = None, key: Path | None = None
@@ -48,15 +51,18 @@ def _client(mesh: TlsMesh) -> grpc.ChannelCredentials:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
     pki = write_pki(tmp_path_factory.mktemp("pki"))
-    stage_port, router_port, http_port = free_port(), free_port(), free_port()
+    stage_ports, router_port, http_port = (free_port(), free_port()), free_port(), free_port()
     server = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
               "--tls-client-ca", str(pki.ca)]
     cmd = [sys.executable, "-m", "stagemesh"]
     model = str(default_model_dir())
+    stages = tuple(f"127.0.0.1:{port}" for port in stage_ports)
     procs = [
-        Proc([*cmd, "stage", "--model", model, "--device", "cpu", "--num-blocks", "128",
-              "--port", str(stage_port), *server]),
-        Proc([*cmd, "router", "--model", model, "--stages", f"127.0.0.1:{stage_port}",
+        *(Proc([*cmd, "stage", "--model", model, "--device", "cpu", "--num-blocks", "128",
+                "--stage-index", str(i), "--num-stages", "2", "--port", str(port), *server,
+                "--dataplane-tls-ca", str(pki.ca)])
+          for i, port in enumerate(stage_ports)),
+        Proc([*cmd, "router", "--model", model, "--stages", ",".join(stages),
               "--port", str(router_port), *server, "--stage-tls-ca", str(pki.ca),
               "--stage-tls-cert", str(pki.client_cert), "--stage-tls-key", str(pki.client_key)]),
         Proc([*cmd, "gateway", "--router", f"127.0.0.1:{router_port}", "--port", str(http_port),
@@ -64,14 +70,16 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
               "--router-tls-key", str(pki.client_key)]),
     ]
     m = TlsMesh(pki, f"127.0.0.1:{router_port}", f"http://127.0.0.1:{http_port}",
-                f"127.0.0.1:{stage_port}")
+                stages[0], stages)
     try:
         deadline = time.monotonic() + 180
         while not _ready(m):
             dead = [p for p in procs if p.proc.poll() is not None]
             assert not dead, "a process exited:\n" + "\n".join(p.output[-3000:] for p in dead)
-            assert time.monotonic() < deadline, "never ready:\n" + procs[1].output[-3000:]
+            assert time.monotonic() < deadline, "never ready:\n" + procs[2].output[-3000:]
             time.sleep(0.5)
+        for stage in procs[:2]:
+            assert "data plane: TLS on every TCP link" in stage.output
         yield m
     finally:
         for p in reversed(procs):
@@ -130,7 +138,8 @@ def test_a_router_without_a_client_certificate_never_links_the_stage(mesh: TlsMe
     budget with an error naming the stage, and never reports ready."""
     stage = mesh.stage
     router = Proc([sys.executable, "-m", "stagemesh", "router", "--model",
-                   str(default_model_dir()), "--stages", stage, "--port", str(free_port()),
+                   str(default_model_dir()), "--stages", ",".join(mesh.stages),
+                   "--port", str(free_port()),
                    "--startup-budget", "6", "--stage-tls-ca", str(mesh.pki.ca)])
     try:
         assert router.proc.wait(timeout=60) == 1
@@ -138,3 +147,16 @@ def test_a_router_without_a_client_certificate_never_links_the_stage(mesh: TlsMe
         router.stop(timeout=10)
     assert f"pipeline did not come up within 6s: stage 0 at {stage}" in router.output
     assert "Traceback" not in router.output
+
+
+def test_data_plane_tls_needs_the_stages_own_certificate(tmp_path: Path) -> None:
+    """--dataplane-tls-ca alone is refused at start with one line naming the flags."""
+    out = subprocess.run([sys.executable, "-m", "stagemesh", "stage", "--model",
+                          str(default_model_dir()), "--dataplane-tls-ca",
+                          str(tmp_path / "ca.pem")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "stagemesh stage: --dataplane-tls-ca needs the stage's own certificate: --tls-cert "
+        "and --tls-key")
+
