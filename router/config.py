@@ -54,6 +54,12 @@ class RouterConfig:
             hop where that link fails; TCP elsewhere), "tcp", or "cuda_ipc" (every hop; the
             pipeline does not come up while a hop cannot have it). The feedback link (last
             stage -> first stage) is always TCP.
+        standby_stages: host:port of standby stages (`stagemesh stage --standby`), used in
+            order: a stage that does not answer for `standby_grace_s` while the pipeline
+            tries to come back is replaced by one (it loads that stage's layers), so a lost
+            node does not wait for its restart.
+        standby_grace_s: how long a lost stage may take to come back before a standby
+            takes its place.
     """
 
     model_dir: Path
@@ -84,6 +90,8 @@ class RouterConfig:
     audit_log: bool = True
     audit_log_content: bool = False
     transport: str = "auto"
+    standby_stages: tuple[str, ...] = ()
+    standby_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.engine_core not in ("process", "task"):

@@ -49,7 +49,8 @@ def core_config(cfg: RouterConfig, input_address: str) -> CoreConfig:
         enable_prefix_caching=cfg.enable_prefix_caching, startup_budget_s=cfg.startup_budget_s,
         recovery_budget_s=cfg.recovery_budget_s, step_timeout_s=cfg.step_timeout_s,
         run_ahead=cfg.run_ahead, run_ahead_depth=cfg.run_ahead_depth,
-        stage_token=cfg.stage_token, transport=cfg.transport)
+        stage_token=cfg.stage_token, transport=cfg.transport,
+        standby_stages=cfg.standby_stages, standby_grace_s=cfg.standby_grace_s)
 
 
 class RouterApp:

@@ -52,6 +52,9 @@ class StageConfig:
             certificate and key (presented when it accepts a link), and the CA that signed
             the other stages' certificates (checked with the dialled name when it connects).
             "" = plaintext.
+        standby: hold no layers until the router assigns this process a failed stage's
+            place (`stage_worker.standby`); stage_index, num_stages, the layer override and
+            the capacity fields are then the assignment's. TP size 1.
     """
 
     model_dir: Path
@@ -81,6 +84,7 @@ class StageConfig:
     dataplane_tls_cert: str = ""
     dataplane_tls_key: str = ""
     dataplane_tls_ca: str = ""
+    standby: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
@@ -97,6 +101,8 @@ class StageConfig:
         if any(tls) and not all(tls):
             raise ValueError("data-plane TLS needs the stage's certificate and key "
                              "(--tls-cert, --tls-key) and --dataplane-tls-ca")
+        if self.standby and self.tp_size != 1:
+            raise ValueError("a standby stage runs at TP size 1 (--tp 1)")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got "
                              f"{self.transport!r}")

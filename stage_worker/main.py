@@ -30,6 +30,7 @@ from stage_worker.leader import StageLeader
 from stage_worker.links import DataPlaneAddress
 from stage_worker.parallel import TPGroup, init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
+from stage_worker.standby import StandbyServicer
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -76,11 +77,15 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
     """`tls`: serve the control API over TLS (mutual with a client CA); None = plaintext.
     `stage_token`: the pairing secret a caller of the StageService must present (see
     `foundation.grpc_auth`); "" = any caller (that TLS lets through)."""
-    init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
-    ranks = spawn_tp_ranks(cfg, init_url)
-    tp = init_tp_group(0, cfg.tp_size, init_url, distributed_backend(rank_device(cfg, 0)))
-    servicer = stage_servicer(cfg, tp)
-    identity = servicer.identity
+    servicer: StageServicer | StandbyServicer
+    if cfg.standby:
+        ranks: list[subprocess.Popen[bytes]] = []
+        servicer = StandbyServicer(cfg, lambda assigned: stage_servicer(assigned, TPGroup()))
+    else:
+        init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
+        ranks = spawn_tp_ranks(cfg, init_url)
+        tp = init_tp_group(0, cfg.tp_size, init_url, distributed_backend(rank_device(cfg, 0)))
+        servicer = stage_servicer(cfg, tp)
     interceptors = [BearerInterceptor(ApiKeys([stage_token]), PAIRED_PREFIX, NOT_PAIRED)
                     ] if stage_token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
@@ -99,11 +104,16 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
         raise
     await server.start()
     address = f"{cfg.host}:{port}"
-    log.info("stage %d/%d (layers %d-%d, %s model, %d KV blocks, steps up to %d tokens over "
-             "%d sequences) serving on %s", cfg.stage_index, cfg.num_stages,
-             identity.layer_start, identity.layer_end - 1, identity.model_impl,
-             identity.num_kv_blocks, identity.max_num_batched_tokens, identity.max_num_seqs,
-             address)
+    if isinstance(servicer, StandbyServicer):
+        log.info("standby stage (%s, %d layers on hand, no layers held) serving on %s",
+                 cfg.model_dir.name, servicer.num_layers, address)
+    else:
+        identity = servicer.identity
+        log.info("stage %d/%d (layers %d-%d, %s model, %d KV blocks, steps up to %d tokens "
+                 "over %d sequences) serving on %s", cfg.stage_index, cfg.num_stages,
+                 identity.layer_start, identity.layer_end - 1, identity.model_impl,
+                 identity.num_kv_blocks, identity.max_num_batched_tokens,
+                 identity.max_num_seqs, address)
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(address)

@@ -354,6 +354,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return error_to_proto(step_id, f"stage {self.identity.stage_index}: "
                                        f"{type(e).__name__}: {e}")
 
+    async def Assign(self, request: pb.AssignRequest,
+                     context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
+        i = self.identity
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"this stage is not a standby: it is stage {i.stage_index} of "
+                            f"{i.num_stages} (layers {i.layer_start}-{i.layer_end - 1})")
+        raise AssertionError("unreachable")
+
     async def Drain(self, request: pb.DrainRequest,
                     context: grpc.aio.ServicerContext) -> pb.DrainResponse:
         self.draining = True

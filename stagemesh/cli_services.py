@@ -105,6 +105,10 @@ def _add_stage(commands: SubParsers) -> None:
                    help="data-plane transports this stage offers for activations: auto (tcp, "
                         "and cuda_ipc on a CUDA device with cupy installed), or only one; the "
                         "router picks per hop among what both ends offer")
+    p.add_argument("--standby", action="store_true",
+                   help="hold no layers until the router assigns this stage the place of one "
+                        "that failed (the router's --standby-stages lists it); --stage-index "
+                        "and --num-stages are then the assignment's; --tp 1")
     p.add_argument("--dataplane-tls-ca", type=Path,
                    default=env_path("STAGEMESH_DATAPLANE_TLS_CA"),
                    help="PEM CA that signed the other stages' certificates: turns TLS on for "
@@ -185,7 +189,7 @@ def _stage(args: argparse.Namespace) -> int:
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
         enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
         transport=args.transport, dataplane_tls_cert=tls_cert, dataplane_tls_key=tls_key,
-        dataplane_tls_ca=tls_ca,
+        dataplane_tls_ca=tls_ca, standby=args.standby,
     )
     return run_stage(cfg, args.ready_file, server_tls_of(args), stage_token_of(args))
 
@@ -238,6 +242,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "feedback link (last stage to first) is always TCP. `stagemesh serve` "
                         "passes it to its stages too, which then offer only that transport "
                         "(auto: what they can) (default: %(default)s)")
+    p.add_argument("--standby-grace", type=float, default=5.0, metavar="SECONDS",
+                   help="how long a lost stage may take to come back before a standby stage "
+                        "takes its place (default: %(default)s)")
 
 
 def _add_router(commands: SubParsers) -> None:
@@ -245,6 +252,10 @@ def _add_router(commands: SubParsers) -> None:
     _add_model_args(p)
     p.add_argument("--stages", default=_env("STAGEMESH_STAGES", ""),
                    help="comma-separated host:port of each stage, in order [$STAGEMESH_STAGES]")
+    p.add_argument("--standby-stages", default=_env("STAGEMESH_STANDBY_STAGES", ""),
+                   help="comma-separated host:port of standby stages (`stagemesh stage "
+                        "--standby`): one takes the place of a stage lost for "
+                        "--standby-grace seconds [$STAGEMESH_STANDBY_STAGES]")
     p.add_argument("--host", default=_env("STAGEMESH_ROUTER_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("STAGEMESH_ROUTER_PORT", "50051")))
     p.add_argument("--ready-file", default=None)
@@ -275,6 +286,9 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         api_keys=api_keys(args),
         audit_log=not args.no_audit_log, audit_log_content=args.audit_log_content,
         transport=args.transport,
+        standby_stages=tuple(s.strip() for s in getattr(args, "standby_stages", "").split(",")
+                             if s.strip()),
+        standby_grace_s=args.standby_grace,
     )
 
 
@@ -298,6 +312,11 @@ def _add_serve(commands: SubParsers) -> None:
     _add_model_args(p)
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--standby", type=int, default=0, metavar="N",
+                   help="standby stage processes to keep beside the pipeline: when a stage "
+                        "does not come back within --standby-grace, one takes its place "
+                        "(loads its layers) instead of waiting for the restart; --tp 1 only "
+                        "(default: %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--host", default="127.0.0.1", help="router address")

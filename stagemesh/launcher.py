@@ -144,13 +144,28 @@ def build_children(args: argparse.Namespace, workdir: Path,
     children = []
     stage_addresses = []
     devices = _stage_devices(args)
+    if args.standby and args.tp != 1:
+        raise SystemExit("stagemesh serve: --standby needs --tp 1 (a standby stage spawns no "
+                         "TP ranks)")
+    # Standby stages share the devices in turn; each counts in its device's memory split.
+    standby_devices = [devices[j % len(devices)] for j in range(args.standby)]
+    on_device = [*devices, *standby_devices].count
     for i, device in enumerate(devices):
         port = free_port()
         stage_addresses.append(f"127.0.0.1:{port}")
         argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--port", str(port),
                 "--ready-file", str(workdir / f"stage{i}"),
-                *_stage_flags(args, device, devices.count(device))]
+                *_stage_flags(args, device, on_device(device))]
         children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True,
+                              env=pairing))
+    standby_addresses = []
+    for j, device in enumerate(standby_devices):
+        port = free_port()
+        standby_addresses.append(f"127.0.0.1:{port}")
+        argv = [*py, "stage", "--model", model, "--standby", "--port", str(port),
+                "--ready-file", str(workdir / f"standby{j}"),
+                *_stage_flags(args, device, on_device(device))]
+        children.append(Child(f"standby {j}", argv, workdir / f"standby{j}", restart=True,
                               env=pairing))
     router = [*py, "router", "--model", model, "--stages", ",".join(stage_addresses),
               "--host", args.host, "--port", str(args.port), "--ready-file",
@@ -166,7 +181,10 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--engine-core", args.engine_core,
               "--run-ahead-depth", str(args.run_ahead_depth),
               "--api-processes", str(args.api_processes),
-              "--transport", args.transport]
+              "--transport", args.transport,
+              "--standby-grace", str(args.standby_grace)]
+    if standby_addresses:
+        router += ["--standby-stages", ",".join(standby_addresses)]
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:

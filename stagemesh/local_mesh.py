@@ -86,7 +86,7 @@ class Mesh:
         self.address = f"127.0.0.1:{self.port}"
         self.gateway_url = f"http://127.0.0.1:{gateway_port}" if gateway_port else None
         self.pids = {m.group(1): int(m.group(2)) for m in (
-            re.match(r"\s+(stage \d+|router|gateway)\s+pid (\d+)", line)
+            re.match(r"\s+(stage \d+|standby \d+|router|gateway)\s+pid (\d+)", line)
             for line in self.proc.lines) if m}
 
     def pid(self, role: str) -> int:

@@ -26,6 +26,7 @@ class CoreConfig:
         stage_token: as `RouterConfig`.
         transport: the data-plane transport asked for, as `RouterConfig` ("auto", "tcp",
             "cuda_ipc"); the pipeline driver picks each hop's (`Pipeline.hop_transports`).
+        standby_stages / standby_grace_s: as `RouterConfig`.
     """
 
     model_dir: str
@@ -45,6 +46,8 @@ class CoreConfig:
     run_ahead_depth: int = 4
     stage_token: str = field(default="", repr=False)
     transport: str = "auto"
+    standby_stages: tuple[str, ...] = ()
+    standby_grace_s: float = 5.0
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

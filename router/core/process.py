@@ -39,7 +39,8 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
     endpoint = CoreEndpoint(cfg.input_address)
     credentials = cfg.stage_tls.credentials() if cfg.stage_tls else None
     pipeline = Pipeline(list(cfg.stage_addresses), credentials=credentials,
-                        stage_token=cfg.stage_token, transport=cfg.transport)
+                        stage_token=cfg.stage_token, transport=cfg.transport,
+                        standby=cfg.standby_stages, standby_grace_s=cfg.standby_grace_s)
     core = EngineCore(cfg, ModelConfig.from_dir(Path(cfg.model_dir)), pipeline, endpoint)
     receiver = asyncio.create_task(_receive(endpoint, core), name="core-receive")
     watcher = asyncio.create_task(_watch_parent()) if watch_parent else None

@@ -18,7 +18,7 @@ from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
 from router.pipeline.outcome import StepOutcome
-from router.pipeline.shape import PipelineError, StageInfo
+from router.pipeline.shape import PipelineError, PipelineShape, StageInfo
 from router.scheduler import CachedSeq, StepPlan
 
 
@@ -156,7 +156,18 @@ def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:
         max_num_batched_tokens=msg.max_num_batched_tokens, max_num_seqs=msg.max_num_seqs,
         model_impl=msg.model_impl, kv_blocks_used=msg.kv_blocks_used,
         num_sequences=msg.num_sequences, transports=transports or ("tcp",),
-        host_id=msg.host_id)
+        host_id=msg.host_id, standby=msg.standby)
+
+
+def assign_request(index: int, shape: PipelineShape) -> pb.AssignRequest:
+    """Ask a standby stage to become stage `index` of `shape`: its layer range, and the
+    pool and step capacity the pipeline was started with."""
+    start, end = shape.layer_ranges[index]
+    return pb.AssignRequest(stage_index=index, num_stages=shape.num_stages,
+                            layer_start=start, layer_end=end,
+                            num_kv_blocks=shape.num_kv_blocks,
+                            max_num_batched_tokens=shape.max_num_batched_tokens,
+                            max_num_seqs=shape.max_num_seqs)
 
 
 def _transport_enum(transport: str) -> pb.Transport:

@@ -81,11 +81,17 @@ class Pipeline:
     hop_transports: the transport each hop i -> i+1 uses ("tcp", "cuda_ipc"), P - 1
         entries in pipeline order, of the last epoch whose links all came up ([] before
         the first).
+    standby: addresses of standby stages (`stage --standby`), used in order: once the
+        pipeline ran, a stage that has not answered for `standby_grace_s` while the
+        pipeline tries to come back is replaced by the next standby, assigned its place
+        (`StageClient.assign`: it loads that layer range), and the pipeline comes up with it.
     """
 
     def __init__(self, addresses: list[str], connect_timeout_s: float = 10.0,
                  credentials: grpc.ChannelCredentials | None = None,
-                 stage_token: str = "", transport: str = AUTO) -> None:
+                 stage_token: str = "", transport: str = AUTO,
+                 standby: Sequence[str] = (), standby_grace_s: float = 5.0,
+                 assign_timeout_s: float = 300.0) -> None:
         if not addresses:
             raise PipelineError("a pipeline needs at least one stage address")
         if transport not in TRANSPORT_CHOICES:
@@ -98,6 +104,12 @@ class Pipeline:
         self.on_failure: FailureHandler = _ignore_failure
         self.connect_timeout_s = connect_timeout_s
         self.transport = transport
+        self.standby = list(standby)  # not used yet, in order
+        self.standby_grace_s = standby_grace_s
+        self.assign_timeout_s = assign_timeout_s
+        self.takeovers: list[tuple[int, str, str, float]] = []  # stage, old, new, seconds
+        self._credentials, self._stage_token = credentials, stage_token
+        self._lost_since: dict[int, float] = {}  # stage index -> first failed Describe
         self.hop_transports: list[str] = []
         self.state = PipelineState.STARTING
         self.shape: PipelineShape | None = None
@@ -129,8 +141,12 @@ class Pipeline:
 
     async def _start_once(self) -> PipelineShape:
         self._close_streams()
-        infos = list(await asyncio.gather(*(s.describe(self.connect_timeout_s)
-                                            for s in self.stages)))
+        infos = await self._describe_all()
+        for i, info in enumerate(infos):
+            if info.standby:
+                raise PipelineError(f"stage at position {i} ({self.stages[i].address}) is a "
+                                    "standby holding no layers: list it under "
+                                    "--standby-stages, not --stages")
         shape = check_shape(infos)
         if self.shape is not None and (short := shape.covers(self.shape)) is not None:
             raise PipelineError(short)
@@ -147,6 +163,62 @@ class Pipeline:
                  shape.num_kv_blocks, shape.block_size, shape.max_num_batched_tokens,
                  shape.max_num_seqs, describe_hops(self.hop_transports))
         return self.shape
+
+    async def _describe_all(self) -> list[StageInfo]:
+        """Every stage's Describe; raises the first failure's PipelineError. A stage that
+        has failed to answer for `standby_grace_s` (after the pipeline first came up) is
+        replaced by a standby first, when one is left."""
+        results = await asyncio.gather(*(s.describe(self.connect_timeout_s)
+                                         for s in self.stages), return_exceptions=True)
+        now = time.monotonic()
+        lost = []
+        for i, r in enumerate(results):
+            if isinstance(r, StageInfo):
+                self._lost_since.pop(i, None)
+            elif isinstance(r, PipelineError):
+                lost.append(i)
+                self._lost_since.setdefault(i, now)
+            else:
+                raise r
+        if not lost:
+            return [r for r in results if isinstance(r, StageInfo)]
+        due = [i for i in lost if now - self._lost_since[i] >= self.standby_grace_s]
+        if due and self.shape is not None and self.standby:
+            replaced = [i for i in due if await self._take_over(i, now - self._lost_since[i])]
+            if replaced:
+                return await self._describe_all()
+        first = results[lost[0]]
+        assert isinstance(first, PipelineError)
+        raise first
+
+    async def _take_over(self, index: int, lost_s: float) -> bool:
+        """Replace stage `index` by the next standby that accepts its place; False when no
+        standby is left (each one tried is used up, whether it accepted or not)."""
+        assert self.shape is not None
+        old = self.stages[index]
+        start, end = self.shape.layer_ranges[index]
+        while self.standby:
+            address = self.standby.pop(0)
+            client = StageClient(index, address, old.is_last, self._credentials,
+                                 self._stage_token)
+            log.warning("stage %d (%s) has not answered for %.1fs: standby %s takes over its "
+                        "layers %d-%d", index, old.address, lost_s, address, start, end - 1)
+            started = time.monotonic()
+            try:
+                await client.assign(self.shape, self.assign_timeout_s)
+            except PipelineError as e:
+                log.error("standby %s could not take over stage %d: %s", address, index, e)
+                await client.close()
+                continue
+            self.stages[index] = client
+            self._lost_since.pop(index, None)
+            self.takeovers.append((index, old.address, address, time.monotonic() - started))
+            log.warning("stage %d is now %s (assigned in %.1fs)", index, address,
+                        time.monotonic() - started)
+            await old.close()
+            return True
+        log.error("stage %d (%s) is lost and no standby is left", index, old.address)
+        return False
 
     async def _link(self, infos: list[StageInfo]) -> None:
         """Stage i+1 listens, stage i connects, over the transport chosen for that hop from

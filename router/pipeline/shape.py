@@ -38,6 +38,7 @@ class StageInfo:
     kv_blocks_used: int = 0
     num_sequences: int = 0
     transports: tuple[str, ...] = ("tcp",)
+    standby: bool = False  # a standby stage, not assigned a place yet (holds no layers)
     host_id: str = ""
 
 

@@ -10,13 +10,14 @@ from foundation.grpc_auth import bearer_metadata
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc
 from router.pipeline.convert import (
+    assign_request,
     connect_request,
     info_from_describe,
     listen_request,
     outcome_from_result,
 )
 from router.pipeline.outcome import StepOutcome
-from router.pipeline.shape import PipelineError, StageInfo
+from router.pipeline.shape import PipelineError, PipelineShape, StageInfo
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20),
@@ -58,6 +59,16 @@ class StageClient:
         except grpc.aio.AioRpcError as e:
             raise PipelineError(f"stage {self.index} at {self.address}: "
                                 f"{describe_error(e)}") from e
+
+    async def assign(self, shape: PipelineShape, timeout_s: float) -> StageInfo:
+        """Make this standby stage stage `self.index` of `shape` (it loads that layer range);
+        PipelineError naming it when it refuses or does not answer."""
+        try:
+            return info_from_describe(await self.stub.Assign(
+                assign_request(self.index, shape), timeout=timeout_s,
+                metadata=self.metadata))
+        except grpc.aio.AioRpcError as e:
+            raise PipelineError(f"standby {self.address}: {describe_error(e)}") from e
 
     async def listen(self, epoch: int, token: bytes, timeout_s: float,
                      feedback: bool = False, transport: str = "tcp") -> str:
