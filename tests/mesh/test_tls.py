@@ -160,3 +160,34 @@ def test_data_plane_tls_needs_the_stages_own_certificate(tmp_path: Path) -> None
         "stagemesh stage: --dataplane-tls-ca needs the stage's own certificate: --tls-cert "
         "and --tls-key")
 
+
+
+def test_server_only_tls_serves_any_client_that_trusts_the_ca(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """TLS without client certificates: a router serving TLS with no client CA answers a
+    client that has only the CA, and refuses plaintext."""
+    pki = write_pki(tmp_path_factory.mktemp("pki-server-only"))
+    stage_port, router_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "stagemesh"]
+    model = str(default_model_dir())
+    procs = [
+        Proc([*cmd, "stage", "--model", model, "--device", "cpu", "--num-blocks", "64",
+              "--port", str(stage_port)]),
+        Proc([*cmd, "router", "--model", model, "--stages", f"127.0.0.1:{stage_port}",
+              "--port", str(router_port), "--tls-cert", str(pki.server_cert),
+              "--tls-key", str(pki.server_key)]),
+    ]
+    router = f"127.0.0.1:{router_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not _ready(TlsMesh(pki, router, "", "", ())):
+            assert all(p.proc.poll() is None for p in procs), procs[1].output[-3000:]
+            assert time.monotonic() < deadline, "never ready:\n" + procs[1].output[-3000:]
+            time.sleep(0.5)
+        assert asyncio.run(_ask(router, _creds(pki.ca))) == "The capital of France is Paris."
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            asyncio.run(asyncio.wait_for(_ask(router, None), 30))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for p in reversed(procs):
+            p.stop(timeout=30)
