@@ -31,6 +31,7 @@ from stage_worker.links import DataPlaneAddress
 from stage_worker.parallel import TPGroup, init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
 from stage_worker.standby import StandbyServicer
+from stage_worker.tp_liveness import FD_ENV, RankBeats
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -42,13 +43,20 @@ NOT_PAIRED = ("this stage serves only its paired router: the call lacks the pipe
               "--stage-token-file or $STAGEMESH_STAGE_TOKEN)")
 
 
-def spawn_tp_ranks(cfg: StageConfig, init_url: str) -> list[subprocess.Popen[bytes]]:
-    """Start TP ranks 1..T-1 as real processes (no pickle: the config travels as JSON)."""
+def spawn_tp_ranks(cfg: StageConfig, init_url: str
+                   ) -> tuple[list[subprocess.Popen[bytes]], RankBeats]:
+    """Start TP ranks 1..T-1 as real processes (no pickle: the config travels as JSON), each
+    beating on a pipe of its own to this leader (`tp_liveness`)."""
     blob = cfg.to_json()
-    return [
-        subprocess.Popen([sys.executable, "-m", "stage_worker.tp_rank", str(r), init_url, blob])
-        for r in range(1, cfg.tp_size)
-    ]
+    ranks, beats = [], {}
+    for r in range(1, cfg.tp_size):
+        read_fd, write_fd = os.pipe()
+        ranks.append(subprocess.Popen(
+            [sys.executable, "-m", "stage_worker.tp_rank", str(r), init_url, blob],
+            pass_fds=(write_fd,), env={**os.environ, FD_ENV: str(write_fd)}))
+        os.close(write_fd)
+        beats[ranks[-1].pid] = read_fd
+    return ranks, RankBeats(beats)
 
 
 def health_servicer() -> health.HealthServicer:
@@ -80,10 +88,11 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
     servicer: StageServicer | StandbyServicer
     if cfg.standby:
         ranks: list[subprocess.Popen[bytes]] = []
+        beats = RankBeats({})
         servicer = StandbyServicer(cfg, lambda assigned: stage_servicer(assigned, TPGroup()))
     else:
         init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
-        ranks = spawn_tp_ranks(cfg, init_url)
+        ranks, beats = spawn_tp_ranks(cfg, init_url)
         tp = init_tp_group(0, cfg.tp_size, init_url, distributed_backend(rank_device(cfg, 0)))
         servicer = stage_servicer(cfg, tp)
     interceptors = [BearerInterceptor(ApiKeys([stage_token]), PAIRED_PREFIX, NOT_PAIRED)
@@ -118,7 +127,7 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(address)
         os.replace(tmp, ready_file)
-    rc = await _wait_for_stop(ranks)
+    rc = await _wait_for_stop(ranks, beats)
     health_srv.enter_graceful_shutdown()
     servicer.draining = True
     await server.stop(grace=5)
@@ -137,8 +146,9 @@ def _stop_ranks(ranks: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
-async def _wait_for_stop(ranks: list[subprocess.Popen[bytes]]) -> int:
-    """Until SIGTERM/SIGINT (0), or a TP rank dying (1: the stage is down as a whole)."""
+async def _wait_for_stop(ranks: list[subprocess.Popen[bytes]], beats: RankBeats) -> int:
+    """Until SIGTERM/SIGINT (0), or a TP rank dying or hanging (the process exits with 1:
+    the stage is down as a whole)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -151,6 +161,12 @@ async def _wait_for_stop(ranks: list[subprocess.Popen[bytes]]) -> int:
             for p in ranks:
                 p.kill()
             os._exit(1)  # the TP group is poisoned; the launcher restarts the stage whole
+        if (hung := beats.hung()) is not None:
+            log.error("TP rank process %d has not answered for %.1fs (stopped or wedged): "
+                      "taking the stage down", *hung)
+            for p in ranks:
+                p.kill()  # a stopped process is killed too
+            os._exit(1)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=0.5)
     return 0

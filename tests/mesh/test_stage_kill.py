@@ -4,7 +4,8 @@ the default model on CPU). What brings the stage back is serve's own restart, as
 Kubernetes would restart a pod; the router re-links the data plane and re-prefills. Every
 stream must end with exactly the text of a fault-free run, and KV must return to idle on
 the router and on every stage. A TP rank's death takes its stage down at once (its leader
-watches the rank processes), and a dead leader's ranks do not outlive it."""
+watches the rank processes), a rank that hangs (stopped) within the hang limit (it stops
+beating on its pipe to the leader), and a dead leader's ranks do not outlive it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import pytest
 
 from router.client import RouterClient
+from stage_worker.tp_liveness import HANG_S
 from tests.default_model import default_model_dir
 from tests.mesh.harness import SERVING, Mesh, readiness, wait_idle, wait_status
 
@@ -120,9 +122,35 @@ def test_sigkill_of_a_tp_rank_takes_its_stage_down_at_once_and_loses_no_stream()
         (rank,) = _tp_ranks(leader)
         got = asyncio.run(_streams(mesh.address, _sigkill(leader)))
         assert got == want
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 5  # its next beat finds the pipe broken
         while _alive(rank):
             assert time.monotonic() < deadline, "the dead leader's TP rank is still running"
             time.sleep(0.2)
+        wait_status(mesh.address, SERVING, 60)
+        wait_idle(stub, timeout=60)
+
+        # A rank that hangs without dying (SIGSTOP): it stops beating, and its leader takes
+        # the stage down within the hang limit (not at a collective's or the step's timeout).
+        leader = mesh.pid("stage 1")
+        (rank,) = _tp_ranks(leader)
+        stopped_for: list[float] = []
+
+        def stop_rank() -> None:
+            stopped_at = time.monotonic()
+            os.kill(rank, signal.SIGSTOP)
+            while _alive(leader) and time.monotonic() - stopped_at < 30:
+                time.sleep(0.05)
+            stopped_for.append(time.monotonic() - stopped_at)
+
+        got = asyncio.run(_streams(mesh.address, stop_rank))
+        assert got == want
+        assert any(f"TP rank process {rank} has not answered" in line
+                   for line in mesh.proc.lines), mesh.proc.output[-3000:]
+        assert stopped_for[0] < HANG_S + 2.0
+        deadline = time.monotonic() + 5
+        while _alive(rank):  # killed, though stopped
+            assert time.monotonic() < deadline, "the stopped TP rank is still there"
+            time.sleep(0.2)
+        assert mesh.pid("stage 1") != leader  # restarted whole
         wait_status(mesh.address, SERVING, 60)
         wait_idle(stub, timeout=60)
