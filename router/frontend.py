@@ -287,11 +287,14 @@ class Frontend:
     # --- to the core -----------------------------------------------------------------------
 
     async def stats(self, timeout_s: float = 5.0) -> CoreStats:
-        """The core's counters and every stage's live usage."""
+        """The core's counters and every stage's live usage, within `timeout_s`: the core
+        gives each stage's Describe at most 2 s and at most 80 % of it (a stage that does not
+        answer in time is reported not ready)."""
         request_id = next(self._stats_ids)
         future: asyncio.Future[CoreStats] = asyncio.get_running_loop().create_future()
         self._stats[request_id] = future
-        self.endpoint.send(StatsRequest(self.front_id, request_id))
+        self.endpoint.send(StatsRequest(self.front_id, request_id,
+                                        max(0.05, min(2.0, 0.8 * timeout_s))))
         try:
             return await asyncio.wait_for(future, timeout_s)
         finally:

@@ -137,7 +137,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def GetStats(self, request: pb.GetStatsRequest,
                        context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         self._model()
-        stats = await self.front.stats()
+        remaining = context.time_remaining()  # None: the caller set no deadline
+        stats = await self.front.stats(5.0 if remaining is None else min(5.0, remaining))
         stages = [pb.StageStats(stage=s.stage, ready=s.ready, layer_start=s.layer_start,
                                 layer_end=s.layer_end, kv_blocks_used=s.kv_blocks_used,
                                 kv_blocks_total=s.kv_blocks_total,

@@ -370,7 +370,7 @@ class EngineCore:
         kv = stats.kv
         ready = self.ready
         stages = []
-        infos = await self.pipeline.stage_stats()
+        infos = await self.pipeline.stage_stats(msg.stage_timeout_s)
         hops = self.pipeline.hop_transports
         for i, info in enumerate(infos):
             hop = hops[i] if i < len(hops) else ""  # the last stage has no hop

@@ -69,8 +69,12 @@ class FinishSeqs(msgspec.Struct, tag=True, array_like=True):
 
 
 class StatsRequest(msgspec.Struct, tag=True, array_like=True):
+    """`stage_timeout_s`: how long the core may wait for each stage's live Describe (the
+    caller's remaining time, less the way back)."""
+
     front: int
     request_id: int
+    stage_timeout_s: float = 2.0
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

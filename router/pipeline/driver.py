@@ -110,6 +110,7 @@ class Pipeline:
         self.takeovers: list[tuple[int, str, str, float]] = []  # stage, old, new, seconds
         self._credentials, self._stage_token = credentials, stage_token
         self._lost_since: dict[int, float] = {}  # stage index -> first failed Describe
+        self._deadline = float("inf")  # of the start() under way: bounds every stage call
         self.hop_transports: list[str] = []
         self.state = PipelineState.STARTING
         self.shape: PipelineShape | None = None
@@ -124,7 +125,7 @@ class Pipeline:
         with (fewer KV blocks, a smaller step) is refused like a stage that is not back.
         Raises PipelineError naming the stage that never answered or does not fit.
         """
-        deadline = time.monotonic() + budget_s
+        deadline = self._deadline = time.monotonic() + budget_s
         next_log = 0.0
         while True:
             try:
@@ -164,11 +165,16 @@ class Pipeline:
                  shape.max_num_seqs, describe_hops(self.hop_transports))
         return self.shape
 
+    def _call_timeout(self, limit_s: float) -> float:
+        """A stage call's timeout while the pipeline comes up: at most `limit_s`, and never
+        past the start's budget (a call does not outlive the time it was given)."""
+        return max(0.05, min(limit_s, self._deadline - time.monotonic()))
+
     async def _describe_all(self) -> list[StageInfo]:
         """Every stage's Describe; raises the first failure's PipelineError. A stage that
         has failed to answer for `standby_grace_s` (after the pipeline first came up) is
         replaced by a standby first, when one is left."""
-        results = await asyncio.gather(*(s.describe(self.connect_timeout_s)
+        results = await asyncio.gather(*(s.describe(self._call_timeout(self.connect_timeout_s))
                                          for s in self.stages), return_exceptions=True)
         now = time.monotonic()
         lost = []
@@ -205,7 +211,7 @@ class Pipeline:
                         "layers %d-%d", index, old.address, lost_s, address, start, end - 1)
             started = time.monotonic()
             try:
-                await client.assign(self.shape, self.assign_timeout_s)
+                await client.assign(self.shape, self._call_timeout(self.assign_timeout_s))
             except PipelineError as e:
                 log.error("standby %s could not take over stage %d: %s", address, index, e)
                 await client.close()
@@ -246,7 +252,7 @@ class Pipeline:
             hops.append(kind)
         if len(self.stages) > 1:
             token = secrets.token_bytes(32)
-            timeout = self.connect_timeout_s
+            timeout = self._call_timeout(self.connect_timeout_s)
             address = await self.stages[0].listen(self.epoch, token, timeout, feedback=True,
                                                   transport=TCP)
             await self.stages[-1].connect(self.epoch, token, address, timeout, feedback=True,
@@ -256,7 +262,7 @@ class Pipeline:
     async def _link_hop(self, up: StageClient, down: StageClient, kind: str) -> None:
         """`down` listens over `kind`, `up` connects to it; a fresh token."""
         token = secrets.token_bytes(32)
-        timeout = self.connect_timeout_s
+        timeout = self._call_timeout(self.connect_timeout_s)
         address = await down.listen(self.epoch, token, timeout, transport=kind)
         await up.connect(self.epoch, token, address, timeout, transport=kind)
 

@@ -1,11 +1,13 @@
 """The receive limits the router's channels set (64 MiB): a peer that answers with more —
 a stage answering the router, a router answering a client or the gateway — gets the call
 ended RESOURCE_EXHAUSTED on the receiving side, named, never a process allocating it all.
-Real gRPC servers on loopback that send 65 MiB answers."""
+Real gRPC servers on loopback that send 65 MiB answers. And a pipeline's stage calls while
+it comes up never outlive the start's budget (a stage that never answers)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -75,3 +77,30 @@ def test_a_router_answer_past_the_limit_ends_the_clients_call() -> None:
     code, details = asyncio.run(body())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(64 << 20) in details
+
+
+class _SilentStage(stage_pb2_grpc.StageServiceServicer):
+    async def Describe(self, request: stage_pb2.DescribeRequest,
+                       context: grpc.aio.ServicerContext) -> stage_pb2.DescribeResponse:
+        await asyncio.sleep(30)
+        return stage_pb2.DescribeResponse()
+
+
+def test_a_pipeline_start_never_outlives_its_budget_on_a_silent_stage() -> None:
+    """Each stage call made while the pipeline comes up is bounded by the start's remaining
+    budget, not only by its own timeout (10 s here): a 1 s budget ends in about 1 s."""
+    from router.pipeline.driver import Pipeline
+
+    async def body() -> float:
+        add = lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(  # noqa: E731
+            _SilentStage(), s)
+        async with _serving(add) as address:
+            pipeline = Pipeline([address], connect_timeout_s=10.0)
+            started = time.monotonic()
+            with pytest.raises(PipelineError, match="did not come up within 1s"):
+                await pipeline.start(1.0)
+            took = time.monotonic() - started
+            await pipeline.close(drain=False)
+            return took
+
+    assert asyncio.run(body()) < 2.5
