@@ -81,3 +81,37 @@ async def streams_cut_by(address: str, fault: Callable[[], Awaitable[None]], str
         await fault()
         faulted_at.append(time.monotonic())
         return list(await asyncio.gather(*tasks))
+
+
+async def greedy_streams(address: str, prompts: list[str], tokens: int,
+                         fault: Callable[[], None] | None = None) -> tuple[list[str], float]:
+    """Every prompt's greedy chat text (`tokens` each, EOS ignored), streamed at once. With
+    `fault`, called once every stream has 4 tokens: also the seconds from the fault until
+    every stream had a token again (0.0 without one)."""
+    async with RouterClient(address) as client:
+        counts = [0] * len(prompts)
+        started = asyncio.Event()
+        fault_at: list[float] = []
+        resumed = [0.0] * len(prompts)
+
+        async def one(i: int) -> str:
+            text = ""
+            async for chunk in client.generate(
+                    messages=[{"role": "user", "content": prompts[i]}], temperature=0.0,
+                    max_tokens=tokens, ignore_eos=True, timeout=300):
+                text += chunk.text
+                counts[i] += len(chunk.token_ids)
+                if fault_at and not resumed[i]:
+                    resumed[i] = time.monotonic()
+                if min(counts) >= 4:
+                    started.set()
+            return text
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+        if fault is not None:
+            await asyncio.wait_for(started.wait(), 120)
+            fault()
+            fault_at.append(time.monotonic())
+        texts = list(await asyncio.gather(*tasks))
+        return texts, (max(resumed) - fault_at[0]) if fault_at and all(resumed) else 0.0
+

@@ -18,10 +18,16 @@ from collections.abc import Callable
 
 import pytest
 
-from router.client import RouterClient
 from stage_worker.tp_liveness import HANG_S
 from tests.default_model import default_model_dir
-from tests.mesh.harness import SERVING, Mesh, readiness, wait_idle, wait_status
+from tests.mesh.harness import (
+    SERVING,
+    Mesh,
+    greedy_streams,
+    readiness,
+    wait_idle,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,26 +38,19 @@ PROMPTS = [f"Write one sentence about the number {i}." for i in range(STREAMS)]
 async def _streams(address: str, kill: Callable[[], None] | None = None) -> list[str]:
     """Every prompt's greedy text; `kill` is called once every stream has its first
     tokens."""
-    async with RouterClient(address) as client:
-        counts = [0] * STREAMS
-        all_started = asyncio.Event()
+    return (await greedy_streams(address, PROMPTS, TOKENS, kill))[0]
 
-        async def one(i: int) -> str:
-            text = ""
-            async for chunk in client.generate(
-                    messages=[{"role": "user", "content": PROMPTS[i]}], temperature=0.0,
-                    max_tokens=TOKENS, ignore_eos=True, timeout=300):
-                text += chunk.text
-                counts[i] += len(chunk.token_ids)
-                if min(counts) >= 4:
-                    all_started.set()
-            return text
 
-        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
-        if kill is not None:
-            await asyncio.wait_for(all_started.wait(), 120)
-            kill()
-        return list(await asyncio.gather(*tasks))
+def _signal_rank(rank: int, sig: int, leader: int, took: list[float]) -> Callable[[], None]:
+    """A fault that sends `sig` to TP rank `rank` and waits (30 s at most) for its leader
+    to go; appends to `took` how long that took."""
+    def fault() -> None:
+        at = time.monotonic()
+        os.kill(rank, sig)
+        while _alive(leader) and time.monotonic() - at < 30:
+            time.sleep(0.02)
+        took.append(time.monotonic() - at)
+    return fault
 
 
 def _sigkill(pid: int) -> Callable[[], None]:
@@ -99,15 +98,8 @@ def test_sigkill_of_a_tp_rank_takes_its_stage_down_at_once_and_loses_no_stream()
         leader = mesh.pid("stage 1")
         (rank,) = _tp_ranks(leader)
         down_after: list[float] = []
-
-        def kill_rank() -> None:
-            killed_at = time.monotonic()
-            os.kill(rank, signal.SIGKILL)
-            while _alive(leader) and time.monotonic() - killed_at < 10:
-                time.sleep(0.01)
-            down_after.append(time.monotonic() - killed_at)
-
-        got = asyncio.run(_streams(mesh.address, kill_rank))
+        got = asyncio.run(_streams(mesh.address,
+                                   _signal_rank(rank, signal.SIGKILL, leader, down_after)))
         assert got == want
         line = f"TP rank process {rank} exited"
         seen = [i for i, text in enumerate(mesh.proc.lines) if line in text]
@@ -134,15 +126,8 @@ def test_sigkill_of_a_tp_rank_takes_its_stage_down_at_once_and_loses_no_stream()
         leader = mesh.pid("stage 1")
         (rank,) = _tp_ranks(leader)
         stopped_for: list[float] = []
-
-        def stop_rank() -> None:
-            stopped_at = time.monotonic()
-            os.kill(rank, signal.SIGSTOP)
-            while _alive(leader) and time.monotonic() - stopped_at < 30:
-                time.sleep(0.05)
-            stopped_for.append(time.monotonic() - stopped_at)
-
-        got = asyncio.run(_streams(mesh.address, stop_rank))
+        got = asyncio.run(_streams(mesh.address,
+                                   _signal_rank(rank, signal.SIGSTOP, leader, stopped_for)))
         assert got == want
         assert any(f"TP rank process {rank} has not answered" in line
                    for line in mesh.proc.lines), mesh.proc.output[-3000:]

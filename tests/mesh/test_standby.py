@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -20,10 +19,9 @@ import pytest
 from foundation.ports import free_port
 from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
 from protos.stagemesh.v1 import inference_pb2_grpc
-from router.client import RouterClient
 from stagemesh.local_mesh import Mesh, Proc
 from tests.default_model import default_model_dir
-from tests.mesh.harness import SERVING, wait_idle, wait_status
+from tests.mesh.harness import SERVING, greedy_streams, wait_idle, wait_status
 
 pytestmark = pytest.mark.slow
 
@@ -33,35 +31,7 @@ PROMPTS = [f"Write one sentence about the number {i}." for i in range(STREAMS)]
 
 async def _streams(address: str, fault: Callable[[], None] | None = None
                    ) -> tuple[list[str], float]:
-    """Every prompt's greedy text, and (with `fault`, called once every stream has 4 tokens)
-    the seconds from the fault until every stream had a token again."""
-    async with RouterClient(address) as client:
-        counts = [0] * STREAMS
-        started = asyncio.Event()
-        fault_at: list[float] = []
-        resumed = [0.0] * STREAMS
-
-        async def one(i: int) -> str:
-            text = ""
-            async for chunk in client.generate(
-                    messages=[{"role": "user", "content": PROMPTS[i]}], temperature=0.0,
-                    max_tokens=TOKENS, ignore_eos=True, timeout=300):
-                text += chunk.text
-                counts[i] += len(chunk.token_ids)
-                if fault_at and not resumed[i]:
-                    resumed[i] = time.monotonic()
-                if min(counts) >= 4:
-                    started.set()
-            return text
-
-        tasks = [asyncio.create_task(one(i)) for i in range(STREAMS)]
-        if fault is not None:
-            await asyncio.wait_for(started.wait(), 120)
-            fault()
-            fault_at.append(time.monotonic())
-        texts = list(await asyncio.gather(*tasks))
-        finished = [r for r, c in zip(resumed, counts, strict=True) if c]
-        return texts, (max(finished) - fault_at[0]) if fault_at and all(finished) else 0.0
+    return await greedy_streams(address, PROMPTS, TOKENS, fault)
 
 
 @pytest.fixture(scope="module")
