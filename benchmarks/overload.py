@@ -286,10 +286,11 @@ async def measure(mesh: Mesh, args: argparse.Namespace) -> dict[str, Any]:
             client = ClientPool([await stack.enter_async_context(
                 RouterClient(mesh.address, own_connection=True))
                 for _ in range(args.connections)])
-            assert mesh.gateway_url is not None
-            http = (await stack.enter_async_context(httpx.AsyncClient(
-                base_url=mesh.gateway_url, timeout=600)),
-                (await client.clients[0].model_info(timeout=30)).model)
+            http = None  # the soak's dropped HTTP streams need the gateway
+            if mesh.gateway_url is not None:
+                http = (await stack.enter_async_context(httpx.AsyncClient(
+                    base_url=mesh.gateway_url, timeout=600)),
+                    (await client.clients[0].model_info(timeout=30)).model)
             kv_after: dict[str, int] = {}
             await closed_loop(client, prompts, args.output_len, 2, 2.0)  # warm-up
             sampler.phase = "sustain"
