@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation.tls import ClientTls, ServerTls
+from router.pipeline.transports import TRANSPORT_CHOICES
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,6 @@ class RouterConfig:
         if self.run_ahead_depth < 2:
             raise ValueError(f"run_ahead_depth must be >= 2 (one step planned on another), "
                              f"got {self.run_ahead_depth}")
-        if self.transport not in ("auto", "tcp", "cuda_ipc"):
-            raise ValueError(f"transport must be 'auto', 'tcp' or 'cuda_ipc', "
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, "
                              f"got {self.transport!r}")

@@ -86,20 +86,13 @@ class StageLeader:
 
     def listen_upstream(self, router_host: str, token: bytes, epoch: int,
                         kind: TransportKind = TransportKind.TCP) -> str:
-        """See `DataPlaneLinks.listen_upstream`; `kind` must be one the stage offers."""
-        self._check_offered(kind)
+        """See `DataPlaneLinks.listen_upstream`. The service refuses a `kind` the stage
+        does not offer (`transports`) before it calls this."""
         return self.links.listen_upstream(router_host, token, epoch, kind)
 
     def connect_downstream(self, address: str, token: bytes, epoch: int,
                            kind: TransportKind = TransportKind.TCP) -> None:
-        self._check_offered(kind)
         self.links.connect_downstream(address, token, epoch, kind)
-
-    def _check_offered(self, kind: TransportKind) -> None:
-        if kind not in self.transports:
-            offered = ", ".join(k.value for k in self.transports)
-            raise ValueError(f"this stage does not offer the {kind.value} transport (it "
-                             f"offers {offered}; see the stage's --transport)")
 
     def listen_feedback(self, router_host: str, token: bytes, epoch: int) -> str:
         """First stage: see `DataPlaneLinks.listen_feedback`."""

@@ -27,7 +27,8 @@ from stage_worker.dataplane import (
     open_link,
     open_listener,
 )
-from stage_worker.dataplane.cuda_ipc import TENSOR_ALIGN, RingConfig, unavailable_reason
+from stage_worker.dataplane.cuda_ipc import unavailable_reason
+from stage_worker.dataplane.cuda_ipc_slots import TENSOR_ALIGN, RingConfig
 from stage_worker.dataplane.wire import MAX_TENSORS
 
 log = logging.getLogger("stagemesh.stage")
@@ -279,8 +280,8 @@ def ring_config(device: torch.device, max_tokens: int, hidden_size: int,
     if reason is not None:
         log.info("data plane: cuda_ipc not offered (%s)", reason)
         return None
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return RingConfig(device, max_tokens * hidden_size * itemsize + MAX_TENSORS * TENSOR_ALIGN)
+    return RingConfig(device,
+                      max_tokens * hidden_size * dtype.itemsize + MAX_TENSORS * TENSOR_ALIGN)
 
 
 @functools.cache

@@ -30,6 +30,9 @@ runs. A dead peer, a token refused, a step mismatch: as on TCP (the side link re
 Links are one-way (connector sends, listener receives), which is how stages use them: the
 upstream stage connects to the downstream stage's listener. Works for two processes on one
 GPU and for processes on two GPUs of one host (peer access enabled lazily by the driver).
+
+This module holds the two ends of a linked ring; `cuda_ipc_setup` makes them (the listener,
+`connect`), `cuda_ipc_slots` lays messages out in a slot.
 """
 
 from __future__ import annotations
@@ -37,42 +40,35 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from stage_worker.dataplane.config import DataPlaneConfig, LinkSpec, TransportKind
-from stage_worker.dataplane.tcp import TcpListener, TcpTransport
+from stage_worker.dataplane.cuda_ipc_slots import (
+    RingConfig,
+    SlotEntry,
+    decode_descriptor,
+    encode_descriptor,
+    layout,
+)
+from stage_worker.dataplane.tcp import TcpTransport
 from stage_worker.dataplane.transport import (
     LinkClosedError,
-    LinkListener,
-    LinkRefusedError,
     ProtocolError,
-    StepMismatchError,
     Transport,
     TransportError,
     TransportTimeout,
 )
-from stage_worker.dataplane.wire import DTYPE_CODES, MAX_NDIM, MAX_STEP_ID, MAX_TENSORS
+from stage_worker.dataplane.wire import MAX_STEP_ID
 
 logger = logging.getLogger(__name__)
 
-SETUP_VERSION = 1
-IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
-TENSOR_ALIGN = 256  # byte offset of every tensor in a slot
-RING_ALIGN = 2 << 20  # CUDA's advice: share only 2 MiB-aligned allocations over IPC
-ENTRY_WIDTH = 3 + MAX_NDIM  # dtype code, ndim, offset, dims
 RETIRE_AFTER_S = 10.0  # a closed ring is freed this long after (the peer unmapped it)
-_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _NO_SLOT = -1  # the credit queue's "link closed" marker
-_CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
-_DEFAULT_CONFIG = DataPlaneConfig()
 # Rings whose link closed: (when, device index, pointer), freed RETIRE_AFTER_S later.
 _RETIRED: list[tuple[float, int, int]] = []
 _RETIRED_LOCK = threading.Lock()
@@ -88,118 +84,6 @@ def unavailable_reason(device: torch.device) -> str | None:
     except ImportError:
         return "cupy is not installed (pip install 'stagemesh[gpu]')"
     return None
-
-
-@dataclass(frozen=True)
-class RingConfig:
-    """The receiver's ring: ``slots`` slots of ``slot_bytes`` each on ``device``.
-
-    slot_bytes: the largest message the link carries (tensors laid out at 256-byte offsets);
-        a stage sizes it from its largest step: max tokens x hidden size x element size.
-    slots: messages in flight (sent, not yet copied out by the receiver).
-    """
-
-    device: torch.device
-    slot_bytes: int
-    slots: int = 4
-
-    def __post_init__(self) -> None:
-        if self.device.type != "cuda":
-            raise ValueError(f"a cuda_ipc ring lives on a CUDA device, not {self.device}")
-        if self.slot_bytes <= 0 or self.slots <= 0:
-            raise ValueError(f"slot_bytes and slots must be > 0, got {self.slot_bytes}, "
-                             f"{self.slots}")
-
-    @property
-    def stride(self) -> int:
-        """Bytes from one slot's start to the next (slots start 256-byte aligned)."""
-        return _align(self.slot_bytes, TENSOR_ALIGN)
-
-    @property
-    def total_bytes(self) -> int:
-        return _align(self.stride * self.slots, RING_ALIGN)
-
-
-# --- the descriptor (pure: tested on CPU) ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SlotEntry:
-    """Where one tensor of a message lies in its slot."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def layout(tensors: Sequence[torch.Tensor], slot_bytes: int) -> list[SlotEntry]:
-    """Each tensor's place in a slot, 256-byte aligned, in order.
-
-    Raises:
-        ValueError: too many tensors, a dtype the data plane does not carry, too many dims,
-            or a message larger than a slot (nothing was sent; the link stays usable).
-    """
-    if len(tensors) > MAX_TENSORS:
-        raise ValueError(f"{len(tensors)} tensors in one message, the data plane allows "
-                         f"{MAX_TENSORS}")
-    entries, offset = [], 0
-    for t in tensors:
-        if t.dtype not in DTYPE_CODES:
-            raise ValueError(f"dtype {t.dtype} cannot travel on the data plane")
-        if t.dim() > MAX_NDIM:
-            raise ValueError(f"tensor has {t.dim()} dims, the data plane allows {MAX_NDIM}")
-        entry = SlotEntry(t.dtype, tuple(t.shape), offset)
-        entries.append(entry)
-        offset = _align(offset + entry.nbytes, TENSOR_ALIGN)
-    end = entries[-1].offset + entries[-1].nbytes if entries else 0
-    if end > slot_bytes:
-        raise ValueError(f"message of {end} bytes does not fit the cuda_ipc slot of "
-                         f"{slot_bytes} bytes (the receiver sized it from its largest step)")
-    return entries
-
-
-def encode_descriptor(slot: int, entries: Sequence[SlotEntry]) -> torch.Tensor:
-    """int64[2 + 11 * count]: slot, count, then each entry's dtype code, ndim, offset, dims."""
-    values = [slot, len(entries)]
-    for e in entries:
-        dims = list(e.shape) + [0] * (MAX_NDIM - len(e.shape))
-        values += [DTYPE_CODES[e.dtype], len(e.shape), e.offset, *dims]
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def decode_descriptor(desc: Sequence[torch.Tensor], slots: int,
-                      slot_bytes: int) -> tuple[int, list[SlotEntry]]:
-    """The slot and entries of a data message, every field checked against the ring.
-
-    Raises:
-        ProtocolError: not a descriptor, or one pointing outside its slot.
-    """
-    if len(desc) != 1 or desc[0].dtype != torch.int64 or desc[0].dim() != 1:
-        raise ProtocolError("cuda_ipc data message is not one int64 descriptor")
-    values = desc[0].tolist()
-    if len(values) < 2 or len(values) != 2 + ENTRY_WIDTH * values[1]:
-        raise ProtocolError(f"cuda_ipc descriptor of {len(values)} values is malformed")
-    slot, count = values[0], values[1]
-    if not 0 <= slot < slots or count > MAX_TENSORS:
-        raise ProtocolError(f"cuda_ipc descriptor names slot {slot} of {slots} and {count} "
-                            "tensors")
-    entries = []
-    for i in range(count):
-        code, ndim, offset, *dims = values[2 + i * ENTRY_WIDTH: 2 + (i + 1) * ENTRY_WIDTH]
-        dtype = _CODE_DTYPES.get(code)
-        if dtype is None or not 0 <= ndim <= MAX_NDIM or any(d < 0 for d in dims):
-            raise ProtocolError(f"cuda_ipc descriptor entry {i}: dtype code {code}, ndim "
-                                f"{ndim}, dims {dims}")
-        entry = SlotEntry(dtype, tuple(dims[:ndim]), offset)
-        if offset < 0 or offset % TENSOR_ALIGN or offset + entry.nbytes > slot_bytes:
-            raise ProtocolError(f"cuda_ipc descriptor entry {i} ({entry.nbytes} bytes at "
-                                f"{offset}) lies outside the {slot_bytes}-byte slot")
-        entries.append(entry)
-    return slot, entries
 
 
 # --- the device side --------------------------------------------------------------------
@@ -267,13 +151,6 @@ class CudaIpcReceiver(Transport):
              timeout_s: float | None = None) -> None:
         raise TransportError("a cuda_ipc link carries data from the connector to the "
                              "listener only")
-
-    def recv(self, expected_step_id: int, timeout_s: float | None = None
-             ) -> list[torch.Tensor]:
-        step_id, tensors = self.recv_any(timeout_s)
-        if step_id != expected_step_id:
-            raise StepMismatchError(expected_step_id, step_id)
-        return tensors
 
     def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
         step_id, desc = self._side.recv_any(timeout_s)
@@ -411,135 +288,7 @@ class CudaIpcSender(Transport):
             raise LinkClosedError(f"cuda_ipc link to {self.peer} is closed")
 
 
-# --- setup -------------------------------------------------------------------------------
-
-
-class CudaIpcListener(LinkListener):
-    """A `TcpListener` for the side link; each accepted peer gets a fresh ring."""
-
-    def __init__(self, host: str, port: int = 0, *, token: bytes, ring: RingConfig,
-                 config: DataPlaneConfig = _DEFAULT_CONFIG) -> None:
-        reason = unavailable_reason(ring.device)
-        if reason is not None:
-            raise ValueError(f"cuda_ipc is not available here: {reason}")
-        # The side link carries credits both ways, and a TLS link serialises its two
-        # directions: it stays plain (the bytes never leave the host).
-        self._tcp = TcpListener(host, port, token=token, config=replace(config, tls=None))
-        self._ring = ring
-        self._config = config
-
-    @property
-    def spec(self) -> LinkSpec:
-        host, port = self._tcp.address
-        return LinkSpec(TransportKind.CUDA_IPC, host, port, self._tcp.spec.token)
-
-    def accept(self, timeout_s: float) -> CudaIpcReceiver:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            side = self._tcp.accept(max(deadline - time.monotonic(), 1e-3))
-            try:
-                return self._set_up(side, deadline)
-            except (TransportError, ValueError) as e:
-                side.close()
-                logger.warning("cuda_ipc peer %s dropped during set-up: %s", side.peer, e)
-                if time.monotonic() >= deadline:
-                    raise TransportTimeout(f"no cuda_ipc peer set up within {timeout_s}s",
-                                           link_closed=False) from e
-
-    def _set_up(self, side: TcpTransport, deadline: float) -> CudaIpcReceiver:
-        cfg = self._ring
-        ring = _Ring(cfg)
-        try:
-            with torch.cuda.device(cfg.device):
-                free = [torch.cuda.Event(interprocess=True) for _ in range(cfg.slots)]
-                free_handles = [_handle_bytes(e.ipc_handle()) for e in free]
-            meta = torch.tensor([SETUP_VERSION, cfg.slots, cfg.slot_bytes,
-                                 _device_index(cfg.device)], dtype=torch.int64)
-            timeout = max(deadline - time.monotonic(), 1e-3)
-            side.send(0, [meta, _bytes_tensor(ring.handle), _bytes_tensor(*free_handles)],
-                      timeout_s=timeout)
-            step, answer = side.recv_any(max(deadline - time.monotonic(), 1e-3))
-            handles = _handles(answer, cfg.slots, "ready-event")
-            if step != 0:
-                raise ProtocolError(f"cuda_ipc set-up answer for step {step}")
-            with torch.cuda.device(cfg.device):
-                ready = [torch.cuda.Event.from_ipc_handle(cfg.device, h) for h in handles]
-        except BaseException:
-            ring.retire()
-            raise
-        return CudaIpcReceiver(side, ring, free, ready)
-
-    def close(self) -> None:
-        self._tcp.close()
-
-
-def connect(host: str, port: int, *, token: bytes, timeout_s: float, device: torch.device,
-            config: DataPlaneConfig = _DEFAULT_CONFIG) -> CudaIpcSender:
-    """Connect to a `CudaIpcListener`, present the token, map its ring on ``device``.
-
-    Raises:
-        LinkRefusedError: the token was refused, or the peer's memory cannot be mapped here
-            (another host, or GPUs without IPC between them: link the hop over TCP).
-        LinkUnreachableError, TransportTimeout, ProtocolError: as `TcpTransport.connect`.
-    """
-    reason = unavailable_reason(device)
-    if reason is not None:
-        raise LinkRefusedError(f"cuda_ipc is not available here: {reason}")
-    deadline = time.monotonic() + timeout_s
-    side = TcpTransport.connect(host, port, token=token, timeout_s=timeout_s,
-                                config=replace(config, tls=None))  # see CudaIpcListener
-    try:
-        return _map_ring(side, device, deadline)
-    except BaseException:
-        side.close()
-        raise
-
-
-def _map_ring(side: TcpTransport, device: torch.device, deadline: float) -> CudaIpcSender:
-    from cupy.cuda import runtime
-
-    step, setup = side.recv_any(max(deadline - time.monotonic(), 1e-3))
-    if step != 0 or len(setup) != 3 or setup[0].dtype != torch.int64 or setup[0].numel() != 4:
-        raise ProtocolError("cuda_ipc set-up message is malformed")
-    version, slots, slot_bytes, _peer_device = setup[0].tolist()
-    if version != SETUP_VERSION or not 0 < slots <= 64 or slot_bytes <= 0:
-        raise ProtocolError(f"cuda_ipc set-up: version {version}, {slots} slots of "
-                            f"{slot_bytes} bytes")
-    ring = RingConfig(device, slot_bytes, slots)  # this side's view; same sizes
-    (mem_handle,) = _handles(setup[1:2], 1, "memory")
-    free_handles = _handles(setup[2:], slots, "free-event")
-    index = _device_index(device)
-    try:
-        with _on_device(index):
-            ptr = int(runtime.ipcOpenMemHandle(mem_handle,
-                                               _CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
-    except Exception as e:  # cupy's CUDARuntimeError: another host, no peer access
-        raise LinkRefusedError(f"cannot map the peer's cuda_ipc ring on {device}: {e}; the "
-                               "two stages must share a host and GPU access (or link the "
-                               "hop over tcp)") from e
-    try:
-        with torch.cuda.device(device):
-            free = [torch.cuda.Event.from_ipc_handle(device, h) for h in free_handles]
-            ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
-            ready_handles = [_handle_bytes(e.ipc_handle()) for e in ready]
-        side.send(0, [_bytes_tensor(*ready_handles)],
-                  timeout_s=max(deadline - time.monotonic(), 1e-3))
-        return CudaIpcSender(side, device, ptr, ring, free, ready)
-    except BaseException:
-        with contextlib.suppress(Exception), _on_device(index):
-            runtime.ipcCloseMemHandle(ptr)
-        raise
-
-
 # --- small helpers ------------------------------------------------------------------------
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _device_index(device: torch.device) -> int:
@@ -565,28 +314,4 @@ def _wrap(ptr: int, nbytes: int, index: int) -> torch.Tensor:
     return torch.as_tensor(array, device=torch.device("cuda", index))
 
 
-def _handle_bytes(handle: Any) -> bytes:
-    data = bytes(handle)
-    if len(data) != IPC_HANDLE_BYTES:
-        raise ValueError(f"IPC handle of {len(data)} bytes, expected {IPC_HANDLE_BYTES}")
-    return data
-
-
-def _bytes_tensor(*handles: bytes) -> torch.Tensor:
-    """uint8[len(handles), 64] of raw handle bytes."""
-    return torch.frombuffer(bytearray(b"".join(handles)), dtype=torch.uint8).view(
-        len(handles), IPC_HANDLE_BYTES)
-
-
-def _handles(tensors: Sequence[torch.Tensor], count: int, what: str) -> list[bytes]:
-    """`count` raw handles from one uint8[count, 64] tensor."""
-    if (len(tensors) != 1 or tensors[0].dtype != torch.uint8
-            or tuple(tensors[0].shape) != (count, IPC_HANDLE_BYTES)):
-        raise ProtocolError(f"cuda_ipc set-up: expected {count} {what} handle(s) of "
-                            f"{IPC_HANDLE_BYTES} bytes")
-    data = tensors[0].numpy().tobytes()
-    return [data[i * IPC_HANDLE_BYTES:(i + 1) * IPC_HANDLE_BYTES] for i in range(count)]
-
-
-__all__ = ["CudaIpcListener", "CudaIpcReceiver", "CudaIpcSender", "RingConfig", "connect",
-           "decode_descriptor", "encode_descriptor", "layout", "unavailable_reason"]
+__all__ = ["CudaIpcReceiver", "CudaIpcSender", "RingConfig", "unavailable_reason"]

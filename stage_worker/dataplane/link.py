@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from stage_worker.dataplane import cuda_ipc
+from stage_worker.dataplane import cuda_ipc_setup
 from stage_worker.dataplane.config import DataPlaneConfig, LinkSpec, TransportKind
+from stage_worker.dataplane.cuda_ipc_slots import RingConfig
 from stage_worker.dataplane.tcp import TcpListener, TcpTransport
 from stage_worker.dataplane.transport import LinkListener, Transport
 
@@ -18,7 +19,7 @@ _DEFAULT_CONFIG = DataPlaneConfig()
 
 
 def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG,
-                  ring: cuda_ipc.RingConfig | None = None) -> LinkListener:
+                  ring: RingConfig | None = None) -> LinkListener:
     """Start the accepting end of a link: bind ``spec.host:spec.port`` (0 picks a port).
 
     Args:
@@ -37,7 +38,7 @@ def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG,
     if spec.kind is TransportKind.CUDA_IPC:
         if ring is None:
             raise ValueError("a cuda_ipc listener needs its ring (device and slot size)")
-        return cuda_ipc.CudaIpcListener(spec.host, spec.port, token=spec.token, ring=ring,
+        return cuda_ipc_setup.CudaIpcListener(spec.host, spec.port, token=spec.token, ring=ring,
                                         config=config)
     raise NotImplementedError(f"transport {spec.kind.value} is not implemented")
 
@@ -72,6 +73,6 @@ def open_link(
     if spec.kind is TransportKind.CUDA_IPC:
         if device is None:
             raise ValueError("a cuda_ipc link needs the sender's device")
-        return cuda_ipc.connect(spec.host, spec.port, token=spec.token, timeout_s=timeout_s,
+        return cuda_ipc_setup.connect(spec.host, spec.port, token=spec.token, timeout_s=timeout_s,
                                 device=device, config=config)
     raise NotImplementedError(f"transport {spec.kind.value} is not implemented")

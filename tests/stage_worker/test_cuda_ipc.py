@@ -18,16 +18,15 @@ import torch
 
 from stage_worker.dataplane import LinkRefusedError, ProtocolError, StepMismatchError
 from stage_worker.dataplane.config import TransportKind, new_link_token
-from stage_worker.dataplane.cuda_ipc import (
+from stage_worker.dataplane.cuda_ipc import unavailable_reason
+from stage_worker.dataplane.cuda_ipc_setup import CudaIpcListener, connect
+from stage_worker.dataplane.cuda_ipc_slots import (
     ENTRY_WIDTH,
     TENSOR_ALIGN,
-    CudaIpcListener,
     RingConfig,
-    connect,
     decode_descriptor,
     encode_descriptor,
     layout,
-    unavailable_reason,
 )
 from stage_worker.dataplane.wire import DTYPE_CODES, MAX_NDIM
 from stage_worker.links import offered_transports, ring_config
@@ -128,7 +127,7 @@ BURST = 3 * SLOTS
 # closes. "one" sends one message, then sleeps (to be killed).
 _PEER = """
 import sys, time, torch
-from stage_worker.dataplane.cuda_ipc import connect
+from stage_worker.dataplane.cuda_ipc_setup import connect
 from stage_worker.dataplane.wire import DTYPE_CODES
 from tests.stage_worker.dataplane_helpers import random_bits
 host, port, token, mode = sys.argv[1:5]
