@@ -38,9 +38,9 @@ PARTS = {"input_layernorm": "norms", "post_attention_layernorm": "norms",
          "down_proj": "down_proj"}
 
 
-# Triton kernels (attached to no profiler range) by part: the kernel's name contains it.
-TRITON_KERNELS = {"triton_attention": "paged_attention", "triton_norm": "_rms_norm_kernel",
-                  "triton_silu": "_silu_and_mul_kernel"}
+# Triton kernels (attached to no profiler range) by part: the kernel's name contains one.
+TRITON_KERNELS = {"triton_attention": ("paged_attention", "_merge_splits", "_rope_kv"),
+                  "triton_norm": ("_rms_norm_kernel",), "triton_silu": ("_silu_and_mul_kernel",)}
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,9 @@ def device_ms_by_label(prof: torch.profiler.profile, steps: int) -> dict[str, fl
     out["total"] = sum(e.device_time_total for e in kernels) / 1e3 / steps
     # A Triton launch is not an aten op: the profiler attaches its kernel to no range, so
     # Triton kernels are found by name (`parts_of` moves them into their parts).
-    for key, name in TRITON_KERNELS.items():
-        out[key] = sum(e.device_time_total for e in kernels if name in e.name) / 1e3 / steps
+    for key, names in TRITON_KERNELS.items():
+        out[key] = sum(e.device_time_total for e in kernels
+                       if any(name in e.name for name in names)) / 1e3 / steps
     return out
 
 

@@ -11,11 +11,22 @@ tiles keep decodes from computing padding rows, large ones keep the tensor cores
 Grouped-query attention is folded into the tile: row r of a tile is query token r // G and
 query head (kv_head * G + r % G), G = Hq / Hkv, so the G query heads that share a KV head
 read each K/V block once (decode reads every block once per KV head, not per query head).
+
+Split KV (flash-decoding): when a decode batch gives the card fewer programs than it has
+SMs (batch 1 of an 8-KV-head model is 8 programs), each tile's keys are cut into
+`splits` contiguous ranges of key tiles, one program each. A program writes its unnormalised
+partial (running max m, sum l, accumulator) to scratch and a second kernel merges the
+splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s. The number
+of splits depends only on the batch's shape (sequences, KV heads, query tiles), never on
+sequence lengths, so a captured CUDA graph keeps its grid; a split with no keys of its
+sequence writes m = -inf, l = 0 and weighs nothing in the merge.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,19 +35,39 @@ import triton.language as tl
 from kernels.attention_metadata import PagedAttentionMetadata
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_M = 16  # rows (query token x head-in-group) per program; tl.dot needs >= 16
-BLOCK_M_PREFILL = 64  # rows per program once some sequence has that many (prefill chunks)
-BLOCK_N = 64  # keys per iteration: BLOCK_N / KV_BLOCK KV blocks
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and launch parameters of one launch.
+
+    block_m: rows (query token x head-in-group) per program; tl.dot needs >= 16.
+    block_n: keys per iteration (block_n / KV block size KV blocks; at least one block).
+    num_warps, num_stages: Triton's; stages > 1 pipeline the key loop's loads.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DECODE_LAUNCH = LaunchConfig(block_m=16, block_n=64)  # few rows per sequence: small tiles
+PREFILL_LAUNCH = LaunchConfig(block_m=64, block_n=64)  # once some sequence has 64 rows
+BLOCK_M = DECODE_LAUNCH.block_m
+MAX_SPLITS = 16  # key ranges per tile at most (split KV)
+PROGRAMS_PER_SM = 2  # split until the grid has about this many programs per SM
 
 
 @triton.jit
-def _attend_block(i, q, q_pos, kv_end, m_i, l_i, acc, K, V, table, kv_head, scale,
+def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_head, scale,
                   stride_kn, stride_kb, stride_kh, offs_d, d_ok,
                   KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Keys [i * BLOCK_N, (i + 1) * BLOCK_N) of the sequence, read through its block table,
-    folded into the online softmax."""
+    """Keys [i * BLOCK_N, (i + 1) * BLOCK_N) of the sequence that lie in [kv_lo, kv_end),
+    read through its block table, folded into the online softmax."""
     key_pos = i * BLOCK_N + tl.arange(0, BLOCK_N)
-    key_ok = key_pos < kv_end  # kv_end <= seq_len; later keys are causally hidden anyway
+    # kv_end <= seq_len (later keys are causally hidden anyway); kv_lo > 0 only in a split.
+    key_ok = (key_pos >= kv_lo) & (key_pos < kv_end)
     block = tl.load(table + key_pos // KV_BLOCK, mask=key_ok, other=0).to(tl.int64)
     kv_off = (block[:, None] * stride_kn + (key_pos % KV_BLOCK)[:, None] * stride_kb
               + kv_head * stride_kh + offs_d[None, :])
@@ -51,8 +82,10 @@ def _attend_block(i, q, q_pos, kv_end, m_i, l_i, acc, K, V, table, kv_head, scal
     visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp(qk - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    # A row that has seen no key yet keeps m = -inf: subtract 0 then, not -inf (no NaN).
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(qk - m_sub[:, None])
+    alpha = tl.exp(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     if IEEE:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -63,16 +96,21 @@ def _attend_block(i, q, q_pos, kv_end, m_i, l_i, acc, K, V, table, kv_head, scal
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, O, block_tables, seq_lens, query_start,
+    Q, K, V, O, M_PART, L_PART, block_tables, seq_lens, query_start,
     scale,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_ps, stride_pt, stride_ph,
     GROUP: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr,
+    DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """One (sequence, KV head, query tile, key range) per program. SPLITS == 1: O is the
+    output [T, Hq, D]. SPLITS > 1: O is the fp32 accumulator scratch [SPLITS, T, Hq, D] and
+    M_PART / L_PART [SPLITS, T, Hq] take each row's running max and sum (`_merge_splits`)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     q0 = tl.load(query_start + seq)
     n_q = tl.load(query_start + seq + 1) - q0
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,24 +133,81 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     last_q = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, n_q * GROUP - 1) // GROUP
     kv_end = tl.minimum(seq_len, seq_len - n_q + last_q + 1)  # keys any row here can see
-    # Compiled: loop over this sequence's keys only. Triton's interpreter cannot take a loop
+    # This program's key tiles: [tile_lo, tile_hi) of the sequence's cdiv(kv_end, BLOCK_N).
+    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
+    kv_lo = tile_lo * BLOCK_N
+    kv_hi = tl.minimum(kv_end, tile_hi * BLOCK_N)
+    # Compiled: loop over this program's keys only. Triton's interpreter cannot take a loop
     # bound from a computed value, so there the loop runs to the batch's longest sequence and
-    # the keys past `kv_end` are masked out (no loads, no effect on the softmax).
+    # the keys outside [kv_lo, kv_hi) are masked out (no loads, no effect on the softmax).
     if DYNAMIC:
-        for i in range(0, tl.cdiv(kv_end, BLOCK_N)):
+        for i in range(tile_lo, tile_hi):
             m_i, l_i, acc = _attend_block(
-                i, q, q_pos, kv_end, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
+                i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
                 kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK,
                 BLOCK_N, IEEE)
     else:
         for i in range(0, MAX_KV_TILES):
             m_i, l_i, acc = _attend_block(
-                i, q, q_pos, kv_end, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
+                i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
                 kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK,
                 BLOCK_N, IEEE)
-    out = acc / l_i[:, None]
-    o_ptr = O + (q0 + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_ptr = (O + (q0 + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :])
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=out_mask)
+    else:
+        part = split * stride_ps + (q0 + q_idx) * stride_pt + head * stride_ph
+        tl.store(M_PART + part, m_i, mask=row_ok)
+        tl.store(L_PART + part, l_i, mask=row_ok)
+        o_ptr = (O + split * stride_ps * HEAD_DIM + (q0 + q_idx)[:, None] * stride_pt * HEAD_DIM
+                 + head[:, None] * stride_ph * HEAD_DIM + offs_d[None, :])
+        tl.store(o_ptr, acc, mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(ACC, M_PART, L_PART, O, stride_ps, stride_pt, stride_ph,
+                         stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                         S_PAD: tl.constexpr):
+    """One (query row, head) per program: O = sum_s w_s acc_s / sum_s w_s l_s with
+    w_s = exp(m_s - max m). Split 0 always holds key 0, so max m is finite."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    s_ok = s < SPLITS
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    part = s * stride_ps + t * stride_pt + h * stride_ph
+    m = tl.load(M_PART + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(L_PART + part, mask=s_ok, other=0.0)
+    w = tl.exp(m - tl.max(m, 0))
+    acc = tl.load(ACC + part[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def kv_splits(programs: int, max_seq_len: int, query_rows: int, block_m: int, block_n: int,
+              sm_count: int) -> int:
+    """Key ranges per tile for a launch of `programs` (sequence, KV head, tile) programs:
+    1 unless every sequence fits one query tile (decodes) and the grid would leave SMs idle;
+    then enough to give about PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS and at most
+    one per key tile of the longest sequence the launch may see."""
+    if query_rows > block_m or programs >= sm_count:
+        return 1
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)
+    return max(1, min(MAX_SPLITS, want, triton.cdiv(max_seq_len, block_n)))
 
 
 def paged_attention_triton(
@@ -121,27 +216,56 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    splits: int | None = None,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D]; see `kernels.paged_attention` for the contract."""
-    _, num_heads, head_dim = q.shape
+    """q [T, Hq, D] -> [T, Hq, D]; see `kernels.paged_attention` for the contract.
+
+    `splits` (key ranges per tile, split KV) is chosen by `kv_splits` from the batch's shape
+    and the card's SM count, and `launch` is DECODE_LAUNCH or PREFILL_LAUNCH by the longest
+    query, unless given (tests and `benchmarks.attention_kernel` set them)."""
+    num_tokens, num_heads, head_dim = q.shape
     _, kv_block, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dimension must be contiguous"
     out = torch.empty_like(q)
     rows = meta.max_query_len * group
-    block_m = BLOCK_M_PREFILL if rows >= BLOCK_M_PREFILL else BLOCK_M
-    block_n = max(BLOCK_N, kv_block)
+    if launch is None:
+        launch = PREFILL_LAUNCH if rows >= PREFILL_LAUNCH.block_m else DECODE_LAUNCH
+    block_m = launch.block_m
+    block_n = max(launch.block_n, kv_block)
     tiles = triton.cdiv(rows, block_m)
-    grid = (meta.num_seqs, kv_heads, tiles)
+    if splits is None:
+        splits = (1 if INTERPRETED else
+                  kv_splits(meta.num_seqs * kv_heads * tiles, meta.max_seq_len, rows, block_m,
+                            block_n, _sm_count(q.device.index or 0)))
+    if splits > 1:  # fp32 partials, row (split, token, head); the merge writes `out`
+        m_part = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32,
+                             device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc = torch.empty(splits, num_tokens, num_heads, head_dim, dtype=torch.float32,
+                          device=q.device)
+        target, part_strides = acc, m_part.stride()
+    else:
+        m_part = l_part = target = out
+        part_strides = (0, 0, 0)
+    grid = (meta.num_seqs, kv_heads, tiles * splits)
+    d_pad = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start,
-        scale,
+        q, k_cache, v_cache, target, m_part, l_part, meta.block_tables, meta.seq_lens,
+        meta.query_start, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        out.stride(0), out.stride(1), meta.block_tables.stride(0), *part_strides,
         GROUP=group, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DYNAMIC=not INTERPRETED,
         # Only the interpreter reads it; compiled, a constant avoids a compile per length.
         MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if INTERPRETED else 0,
+        SPLITS=splits, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            acc, m_part, l_part, out, *part_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,
+            S_PAD=triton.next_power_of_2(splits))
     return out

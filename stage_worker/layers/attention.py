@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.paged_attention import paged_attention, write_kv_ref
-from kernels.rotary import apply_rope_ref
+from kernels.paged_attention import paged_attention
+from kernels.rope_kv import rope_and_write_kv
 from stage_worker.forward_context import ForwardContext
 from stage_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from stage_worker.parallel import TPGroup, shard_heads
@@ -35,9 +35,7 @@ class PagedSelfAttention(nn.Module):
         q = qkv[:, :q_size].view(t, -1, d)
         k = qkv[:, q_size:q_size + kv_size].view(t, -1, d)
         v = qkv[:, q_size + kv_size:].view(t, -1, d)
-        q = apply_rope_ref(q, ctx.cos, ctx.sin)
-        k = apply_rope_ref(k, ctx.cos, ctx.sin)
         k_cache, v_cache = kv_cache
-        write_kv_ref(k, v, k_cache, v_cache, ctx.slot_mapping)
+        q = rope_and_write_kv(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, ctx.attn, self.scale)
         return self.o_proj(out.reshape(t, -1))

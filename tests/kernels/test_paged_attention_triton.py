@@ -17,30 +17,52 @@ LONG = ((40, 1), (0, 37), (20, 20), (3, 1), (64, 1), (70, 30))  # several KV blo
 HEADS = ((9, 3, 64), (32, 8, 128), (4, 4, 16), (6, 1, 32))
 
 
-def check(device: str, dtype: torch.dtype, tol: float) -> None:
-    """Every head layout, the mixed and the long batch: kernel vs oracle and vs reference."""
+DECODES = ((0, 1), (130, 1), (63, 1), (200, 1))  # one key tile to four, split KV's cases
+
+
+def check(device: str, dtype: torch.dtype, tol: float,
+          splits: tuple[int | None, ...] = (None,)) -> None:
+    """Every head layout, the mixed, the long and the decode batch: kernel vs oracle and vs
+    reference, with the split count the kernel picks (None) and each one given. A split
+    count above a sequence's key tiles leaves splits empty; they must weigh nothing."""
     from kernels.paged_attention_triton import paged_attention_triton
 
     for hq, hkv, dim in HEADS:
-        for seed, shapes in enumerate((MIXED, LONG)):
+        for seed, shapes in enumerate((MIXED, LONG, DECODES)):
             case = mixed_case(seed, hq, hkv, dim, block=16, num_blocks=64, shapes=shapes,
                               dtype=dtype, device=device)
-            out = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta,
-                                         case.scale)
             ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta,
                                       case.scale)
-            err = (out.double().cpu() - case.want).abs().max().item()
             ref_err = (ref.double().cpu() - case.want).abs().max().item()
-            assert err < tol, f"heads {hq}/{hkv} dim {dim} {shapes}: {err} (ref {ref_err})"
+            for n in splits:
+                out = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta,
+                                             case.scale, splits=n)
+                err = (out.double().cpu() - case.want).abs().max().item()
+                assert err < tol, (f"heads {hq}/{hkv} dim {dim} {shapes} splits {n}: {err} "
+                                   f"(ref {ref_err})")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2),
                                             (torch.float16, 5e-3)])
 def test_kernel_on_cuda(dtype: torch.dtype, tol: float) -> None:
-    check("cuda", dtype, tol)
+    check("cuda", dtype, tol, splits=(None, 1, 2, 3, 16))
 
 
 def test_kernel_in_the_triton_interpreter() -> None:
     run_interpreted("import torch; from tests.kernels.test_paged_attention_triton import check; "
-                    "check('cpu', torch.float32, 1e-5)")
+                    "check('cpu', torch.float32, 1e-5, splits=(1, 3))")
+
+
+def test_split_count_follows_the_shape_only() -> None:
+    """Splits only where the grid leaves SMs idle and every sequence fits one query tile;
+    never more than MAX_SPLITS or the longest sequence's key tiles."""
+    pytest.importorskip("triton")
+    from kernels.paged_attention_triton import MAX_SPLITS, kv_splits
+
+    # batch 1 of llama3-8b (8 KV heads) on 132 SMs, 4 query rows per tile of 16, long tables
+    assert kv_splits(8, 8192, 4, 16, 64, 132) == MAX_SPLITS
+    assert kv_splits(8, 128, 4, 16, 64, 132) == 2  # two key tiles: two ranges at most
+    assert kv_splits(64 * 8, 8192, 4, 16, 64, 132) == 1  # batch 64 fills the card
+    assert kv_splits(96, 8192, 4, 16, 64, 132) == 3
+    assert kv_splits(8, 8192, 4096, 64, 64, 132) == 1  # a prefill chunk: query tiles instead

@@ -1,0 +1,50 @@
+"""Rotary embedding of a step's q and k fused with the paged KV write: the Triton kernel on
+CUDA (`kernels.rope_kv_triton`), the torch reference (also the CPU path and the oracle)
+elsewhere.
+
+Contract (shared by both):
+    q:            [T, Hq, D]      the step's queries; rows may be strided (views of the QKV
+    k, v:         [T, Hkv, D]     projection's output), the last dimension contiguous
+    cos, sin:     [T, D] fp32     rope tables of each token's position (halves duplicated)
+    k/v_cache:    [N, B, Hkv, D]  one layer's pool (`kernels.paged_attention`'s layout)
+    slot_mapping: [T] int64       flat slot (block * B + offset) of each token, all >= 0
+Returns rotated q [T, Hq, D] (contiguous, q's dtype) and writes rotated k and v into the
+caches. Rounding is HF Llama's: cos/sin cast to q's dtype, x * cos and rotate_half(x) * sin
+each rounded to it, then their sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_attention import write_kv_ref
+from kernels.platform import PLATFORM
+from kernels.rotary import apply_rope_ref
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The contract above: one Triton kernel where the platform uses Triton and the tensors
+    are on CUDA with contiguous last dimensions, else the reference."""
+    if (PLATFORM.use_triton and q.is_cuda and q.stride(2) == 1 and k.stride(2) == 1
+            and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+            and _half_is_power_of_two(q.shape[2])):
+        from kernels.rope_kv_triton import rope_and_write_kv_triton
+
+        return rope_and_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return rope_and_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def _half_is_power_of_two(head_dim: int) -> bool:
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half > 0 and half & (half - 1) == 0
+
+
+def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The contract above as separate torch ops."""
+    q_rot = apply_rope_ref(q, cos, sin)
+    write_kv_ref(apply_rope_ref(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+    return q_rot.contiguous()

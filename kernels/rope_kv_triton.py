@@ -1,0 +1,87 @@
+"""Triton kernel: rotary embedding of q and k and the paged write of k and v, one program per
+token (`kernels.rope_kv` holds the contract and the torch reference).
+
+Replaces about fifteen torch kernels per layer (casts, the rotate-half concatenation, the
+multiplies and adds for q and for k, two scatter writes) with one pass: each token's q, k and
+v are read once, rotated q is written once, and k, v go straight to their KV slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(X, C, S, heads, stride_h, HALF: tl.constexpr, H_PAD: tl.constexpr,
+            OUT_DTYPE: tl.constexpr):
+    """Rows [heads, 2 * HALF] at X (head stride stride_h): (first half, second half) of
+    x * cos + rotate_half(x) * sin, each product and the sum rounded to OUT_DTYPE."""
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, HALF)
+    ok = (h < heads)[:, None]
+    ptr = X + h[:, None] * stride_h + d[None, :]
+    x1 = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    c1 = tl.load(C + d).to(OUT_DTYPE).to(tl.float32)[None, :]
+    c2 = tl.load(C + HALF + d).to(OUT_DTYPE).to(tl.float32)[None, :]
+    s1 = tl.load(S + d).to(OUT_DTYPE).to(tl.float32)[None, :]
+    s2 = tl.load(S + HALF + d).to(OUT_DTYPE).to(tl.float32)[None, :]
+    # rotate_half(x) = (-x2, x1); rounding each product as torch's ops do
+    lo = (x1 * c1).to(OUT_DTYPE).to(tl.float32) + (-x2 * s1).to(OUT_DTYPE).to(tl.float32)
+    hi = (x2 * c2).to(OUT_DTYPE).to(tl.float32) + (x1 * s2).to(OUT_DTYPE).to(tl.float32)
+    return lo.to(OUT_DTYPE), hi.to(OUT_DTYPE), h, d, ok
+
+
+@triton.jit
+def _rope_kv_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOTS,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_ct, stride_ot, stride_oh, stride_cn, stride_cb, stride_ch,
+                    num_q_heads, num_kv_heads, block_size,
+                    HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dtype = QO.dtype.element_ty
+    cos = COS + t * stride_ct
+    sin = SIN + t * stride_ct
+    lo, hi, h, d, ok = _rotate(Q + t * stride_qt, cos, sin, num_q_heads, stride_qh, HALF,
+                               HQ_PAD, dtype)
+    out = QO + t * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(out, lo, mask=ok)
+    tl.store(out + HALF, hi, mask=ok)
+
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:  # the contract says every slot is; never write outside the pool
+        base = (slot // block_size) * stride_cn + (slot % block_size) * stride_cb
+        k_lo, k_hi, h, d, ok = _rotate(K + t * stride_kt, cos, sin, num_kv_heads, stride_kh,
+                                       HALF, HKV_PAD, dtype)
+        cache = base + h[:, None] * stride_ch + d[None, :]
+        tl.store(KC + cache, k_lo.to(KC.dtype.element_ty), mask=ok)
+        tl.store(KC + cache + HALF, k_hi.to(KC.dtype.element_ty), mask=ok)
+        src = V + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+        tl.store(VC + cache, tl.load(src, mask=ok).to(VC.dtype.element_ty), mask=ok)
+        tl.store(VC + cache + HALF, tl.load(src + HALF, mask=ok).to(VC.dtype.element_ty),
+                 mask=ok)
+
+
+def rope_and_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`kernels.rope_kv`'s contract; one program per token."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    assert dim % 2 == 0 and dim // 2 == triton.next_power_of_2(dim // 2), "head dim 2^n"
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    out = torch.empty(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    _rope_kv_kernel[(tokens,)](
+        q, k, v, cos, sin, out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q_heads, kv_heads, k_cache.shape[1],
+        HALF=dim // 2, HQ_PAD=triton.next_power_of_2(q_heads),
+        HKV_PAD=triton.next_power_of_2(kv_heads), num_warps=4)
+    return out
