@@ -51,17 +51,20 @@ def _rope_kv_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOTS,
     tl.store(out + HALF, hi, mask=ok)
 
     slot = tl.load(SLOTS + t).to(tl.int64)
-    if slot >= 0:  # the contract says every slot is; never write outside the pool
-        base = (slot // block_size) * stride_cn + (slot % block_size) * stride_cb
-        k_lo, k_hi, h, d, ok = _rotate(K + t * stride_kt, cos, sin, num_kv_heads, stride_kh,
-                                       HALF, HKV_PAD, dtype)
-        cache = base + h[:, None] * stride_ch + d[None, :]
-        tl.store(KC + cache, k_lo.to(KC.dtype.element_ty), mask=ok)
-        tl.store(KC + cache + HALF, k_hi.to(KC.dtype.element_ty), mask=ok)
-        src = V + t * stride_vt + h[:, None] * stride_vh + d[None, :]
-        tl.store(VC + cache, tl.load(src, mask=ok).to(VC.dtype.element_ty), mask=ok)
-        tl.store(VC + cache + HALF, tl.load(src + HALF, mask=ok).to(VC.dtype.element_ty),
-                 mask=ok)
+    # The contract says every slot is >= 0; a negative one writes nothing (never outside
+    # the pool).
+    heads = tl.where(slot >= 0, num_kv_heads, 0)  # no head of a negative slot is written
+    at = tl.maximum(slot, 0)
+    base = (at // block_size) * stride_cn + (at % block_size) * stride_cb
+    k_lo, k_hi, kh, kd, k_ok = _rotate(K + t * stride_kt, cos, sin, heads, stride_kh, HALF,
+                                       HKV_PAD, dtype)
+    cache = base + kh[:, None] * stride_ch + kd[None, :]
+    tl.store(KC + cache, k_lo.to(KC.dtype.element_ty), mask=k_ok)
+    tl.store(KC + cache + HALF, k_hi.to(KC.dtype.element_ty), mask=k_ok)
+    src = V + t * stride_vt + kh[:, None] * stride_vh + kd[None, :]
+    tl.store(VC + cache, tl.load(src, mask=k_ok).to(VC.dtype.element_ty), mask=k_ok)
+    tl.store(VC + cache + HALF, tl.load(src + HALF, mask=k_ok).to(VC.dtype.element_ty),
+             mask=k_ok)
 
 
 def rope_and_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -65,6 +65,12 @@ def check(device: str, dtypes: tuple[torch.dtype, ...]) -> None:
             untouched[slots] = False
             assert torch.equal(got_k.cpu().flatten(0, 1)[untouched],
                                caches[0].flatten(0, 1)[untouched]), f"{what}: other slots"
+        # Outside the contract, a negative slot writes nothing (never outside the pool).
+        k_cache = caches[0].to(device)
+        rope_and_write_kv_triton(q.to(device), k.to(device), v.to(device), cos.to(device),
+                                 sin.to(device), k_cache, k_cache, torch.full_like(slots, -1)
+                                 .to(device))
+        assert torch.equal(k_cache.cpu(), caches[0]), "a negative slot wrote to the pool"
 
 
 @pytest.mark.gpu
