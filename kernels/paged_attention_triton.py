@@ -19,7 +19,9 @@ partial (running max m, sum l, accumulator) to scratch and a second kernel merge
 splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s. The number
 of splits depends only on the batch's shape (sequences, KV heads, query tiles), never on
 sequence lengths, so a captured CUDA graph keeps its grid; a split with no keys of its
-sequence writes m = -inf, l = 0 and weighs nothing in the merge.
+sequence writes m = -inf, l = 0 and weighs nothing in the merge. The count is a run-time
+argument (not specialised): every count shares one compiled kernel, so no step waits on a
+compile for a batch size it has not seen.
 """
 
 from __future__ import annotations
@@ -97,23 +99,24 @@ def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_hea
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _paged_attention_kernel(
     Q, K, V, O, M_PART, L_PART, block_tables, seq_lens, query_start,
     scale,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_ot, stride_oh, stride_bt,
-    stride_ps, stride_pt, stride_ph,
+    stride_ps, stride_pt, stride_ph, splits,
     GROUP: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr, SPLITS: tl.constexpr,
+    DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """One (sequence, KV head, query tile, key range) per program. SPLITS == 1: O is the
-    output [T, Hq, D]. SPLITS > 1: O is the fp32 accumulator scratch [SPLITS, T, Hq, D] and
-    M_PART / L_PART [SPLITS, T, Hq] take each row's running max and sum (`_merge_splits`)."""
+    """One (sequence, KV head, query tile, key range) per program, `splits` ranges per tile.
+    Not SPLIT (splits == 1): O is the output [T, Hq, D]. SPLIT: O is the fp32 accumulator
+    scratch [splits, T, Hq, D] and M_PART / L_PART [splits, T, Hq] take each row's running
+    max and sum (`_merge_splits_kernel`)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    tile = tl.program_id(2) // splits
+    split = tl.program_id(2) % splits
     q0 = tl.load(query_start + seq)
     n_q = tl.load(query_start + seq + 1) - q0
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -138,7 +141,7 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, seq_len - n_q + last_q + 1)  # keys any row here can see
     # This program's key tiles: [tile_lo, tile_hi) of the sequence's cdiv(kv_end, BLOCK_N).
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, SPLITS)
+    per_split = tl.cdiv(n_tiles, splits)
     tile_lo = split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     kv_lo = tile_lo * BLOCK_N
@@ -159,7 +162,7 @@ def _paged_attention_kernel(
                 kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK,
                 BLOCK_N, IEEE)
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         o_ptr = (O + (q0 + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh
                  + offs_d[None, :])
@@ -173,17 +176,16 @@ def _paged_attention_kernel(
         tl.store(o_ptr, acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_splits_kernel(ACC, M_PART, L_PART, O, stride_ps, stride_pt, stride_ph,
-                         stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                         S_PAD: tl.constexpr):
+                         stride_ot, stride_oh, splits,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """One (query row, head) per program: O = sum_s w_s acc_s / sum_s w_s l_s with
     w_s = exp(m_s - max m). Split 0 always holds key 0, so max m is finite."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
-    s_ok = s < SPLITS
+    s_ok = s < splits
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     part = s * stride_ps + t * stride_pt + h * stride_ph
@@ -201,16 +203,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def kv_splits(programs: int, max_seq_len: int, query_rows: int, block_m: int, block_n: int,
-              sm_count: int) -> int:
+def kv_splits(programs: int, query_rows: int, block_m: int, sm_count: int) -> int:
     """Key ranges per tile for a launch of `programs` (sequence, KV head, tile) programs:
     1 unless every sequence fits one query tile (decodes) and the grid would leave SMs idle;
-    then enough to give about PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS and at most
-    one per key tile of the longest sequence the launch may see."""
+    then enough to give about PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS. Sequence
+    lengths play no part (a graph replays one grid for every length): the splits past a
+    short sequence's keys find nothing to read and exit."""
     if query_rows > block_m or programs >= sm_count:
         return 1
     want = triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)
-    return max(1, min(MAX_SPLITS, want, triton.cdiv(max_seq_len, block_n)))
+    return max(1, min(MAX_SPLITS, want))
 
 
 def paged_attention_triton(
@@ -240,8 +242,10 @@ def paged_attention_triton(
     tiles = triton.cdiv(rows, block_m)
     if splits is None:
         splits = (1 if INTERPRETED else
-                  kv_splits(meta.num_seqs * kv_heads * tiles, meta.max_seq_len, rows, block_m,
-                            block_n, _sm_count(q.device.index or 0)))
+                  kv_splits(meta.num_seqs * kv_heads * tiles, rows, block_m,
+                            _sm_count(q.device.index or 0)))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     if splits > 1:  # fp32 partials, row (split, token, head); the merge writes `out`
         m_part = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32,
                              device=q.device)
@@ -258,17 +262,16 @@ def paged_attention_triton(
         q, k_cache, v_cache, target, m_part, l_part, meta.block_tables, meta.seq_lens,
         meta.query_start, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), meta.block_tables.stride(0), *part_strides,
+        out.stride(0), out.stride(1), meta.block_tables.stride(0), *part_strides, splits,
         GROUP=group, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DYNAMIC=not INTERPRETED,
         # Only the interpreter reads it; compiled, a constant avoids a compile per length.
         MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if INTERPRETED else 0,
-        SPLITS=splits, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        SPLIT=splits > 1, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            acc, m_part, l_part, out, *part_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS=splits,
-            S_PAD=triton.next_power_of_2(splits))
+            acc, m_part, l_part, out, *part_strides, out.stride(0), out.stride(1), splits,
+            HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=MAX_SPLITS)
     return out
