@@ -65,6 +65,12 @@ def summarize(path: str, results: list[Result], duration: float, out_len: int,
     errors = sorted({r.error for r in results if r.error})
     if errors:
         row["errors"] = errors[:5]
+    # Each request in send order: seconds after the path's first send, TTFT, TPOT (ms): where
+    # in the schedule the tail sits (a burst of arrivals, the start, one long step).
+    first = min((r.sent for r in ok), default=0.0)
+    row["per_request"] = [[round(r.sent - first, 4), round(a, 2), round(b, 3)]
+                          for r, a, b in sorted(zip(ok, ttft, tpot, strict=True),
+                                                key=lambda x: x[0].sent)]
     return row
 
 

@@ -64,6 +64,8 @@ def test_summarize_uses_the_vllm_definitions() -> None:
     assert row["goodput_req_s"] == pytest.approx(0.5)
     assert row["errors"] == ["boom"]
     assert "send_lag_ms_mean" not in row  # only HTTP requests record when they went out
+    # per request, in send order: seconds after the first send, TTFT and TPOT in ms
+    assert row["per_request"] == [[0.0, 100.0, 10.0], [1.0, 300.0, 20.0]]
     a.wrote, b.wrote = 0.001, 1.003
     lagged = summarize("http", [a, b], duration=2.0, out_len=4, ttft_slo_ms=150,
                        tpot_slo_ms=15)
