@@ -117,13 +117,12 @@ class GatewayApp:
             if not ex.started:
                 await ex.error(APIError(500, "internal error", code="internal_error"))
         finally:
-            self.metrics.in_flight.inc(by=-1)
+            self.metrics.in_flight.dec()
             label = route or "other"
             status = str(ex.status or CLIENT_CLOSED)
             method = ex.method if ex.method in _METHODS else "other"
-            self.metrics.requests.inc((("route", label), ("method", method),
-                                       ("status", status)))
-            self.metrics.duration.observe(time.monotonic() - started, (("route", label),))
+            self.metrics.requests.labels(label, method, status).inc()
+            self.metrics.duration.labels(label).observe(time.monotonic() - started)
 
     async def _dispatch(self, ex: Exchange, route: str | None) -> None:
         if route is None:
@@ -160,7 +159,7 @@ class GatewayApp:
             stats = await self.running.router.first.stats(timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError:
             stats = None
-        await ex.respond(200, self.metrics.render(stats).encode(), CONTENT_TYPE)
+        await ex.respond(200, self.metrics.render(stats), CONTENT_TYPE)
 
     async def _models(self, ex: Exchange) -> None:
         view = await self._view()

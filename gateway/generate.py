@@ -74,8 +74,8 @@ class GenerateHandler:
             self.metrics.disconnects.inc()
             log.info("%s %s: client disconnected; router calls cancelled", route, response_id)
         u = builder.usage
-        self.metrics.tokens.inc((("kind", "prompt"),), u["prompt_tokens"])
-        self.metrics.tokens.inc((("kind", "completion"),), u["completion_tokens"])
+        self.metrics.tokens.labels("prompt").inc(u["prompt_tokens"])
+        self.metrics.tokens.labels("completion").inc(u["completion_tokens"])
 
     @asynccontextmanager
     async def _router_streams(self, requests: list[pb.GenerateRequest]
@@ -87,7 +87,7 @@ class GenerateHandler:
 
     def _first_token(self, builder: ResponseBuilder, route: str, started: float) -> None:
         if not builder.choices:
-            self.metrics.ttft.observe(time.monotonic() - started, (("route", route),))
+            self.metrics.ttft.labels(route).observe(time.monotonic() - started)
 
     async def _collect(self, ex: Exchange, spec: GenerationSpec,
                        requests: list[pb.GenerateRequest], builder: ResponseBuilder,

@@ -48,6 +48,8 @@ class RouterConfig:
             (detokenizing, stop strings, one gRPC message per token per stream) limits
             throughput.
         audit_log: one JSON line per Generate call on stderr (`router.audit`).
+        metrics_port: serve Prometheus metrics at http://host:port/metrics (0 picks one):
+            every front's and the engine core's, summed (`router.metrics`); None = none.
         audit_log_content: put the prompt and output text in those lines (the users' data:
             off unless asked for).
         transport: the data-plane transport of each hop between stages: "auto" (CUDA IPC
@@ -93,8 +95,11 @@ class RouterConfig:
     transport: str = "auto"
     standby_stages: tuple[str, ...] = ()
     standby_grace_s: float = 5.0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.engine_core not in ("process", "task"):
             raise ValueError(f"engine_core must be 'process' or 'task', got {self.engine_core!r}")
         if self.api_processes < 1:

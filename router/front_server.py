@@ -21,6 +21,7 @@ import msgspec
 from grpc_health.v1 import health, health_pb2
 
 from foundation.api_keys import ApiKeys
+from foundation.metrics import use_multiprocess_dir
 from foundation.tls import ServerTls, add_port
 from foundation.tokenizer import ModelTokenizer
 from router.audit import AuditLog
@@ -28,6 +29,7 @@ from router.auth import api_key_interceptor
 from router.config import RouterConfig
 from router.core.channel import FrontEndpoint
 from router.frontend import Frontend
+from router.metrics import FrontMetrics
 from router.outputs import FailureKind
 from router.service import InferenceServicer, add_services
 
@@ -55,6 +57,7 @@ class FrontConfig:
         model_dir / model_name / host / max_request_bytes / stream_interval /
             drain_timeout_s / api_keys / tls / audit_log / audit_log_content: as
             `RouterConfig`.
+        metrics_dir: the router's multi-process metrics directory ("" = no metrics).
     """
 
     front_id: int
@@ -71,14 +74,15 @@ class FrontConfig:
     tls: ServerTls | None = None
     audit_log: bool = True
     audit_log_content: bool = False
+    metrics_dir: str = ""
 
     @classmethod
     def of_router(cls, cfg: RouterConfig, front_id: int, core_address: str,
-                  output_address: str, port: int) -> FrontConfig:
+                  output_address: str, port: int, metrics_dir: str = "") -> FrontConfig:
         return cls(front_id, core_address, output_address, str(cfg.model_dir),
                    cfg.model_name, cfg.host, port, cfg.max_request_bytes, cfg.stream_interval,
                    cfg.drain_timeout_s, cfg.api_keys, cfg.tls, cfg.audit_log,
-                   cfg.audit_log_content)
+                   cfg.audit_log_content, metrics_dir)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -95,7 +99,11 @@ class FrontServer:
     def __init__(self, cfg: FrontConfig, tokenizer: ModelTokenizer) -> None:
         self.cfg = cfg
         endpoint = FrontEndpoint(cfg.front_id, cfg.core_address, cfg.output_address)
-        self.front = Frontend(cfg.front_id, endpoint, tokenizer, cfg.stream_interval)
+        metrics = None
+        if cfg.metrics_dir:
+            use_multiprocess_dir(cfg.metrics_dir)
+            metrics = FrontMetrics()
+        self.front = Frontend(cfg.front_id, endpoint, tokenizer, cfg.stream_interval, metrics)
         self.servicer = InferenceServicer(self.front, tokenizer, cfg.model_name,
                                           AuditLog(cfg.audit_log, cfg.audit_log_content))
         self.health = health.HealthServicer()

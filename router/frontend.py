@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -39,6 +40,7 @@ from router.core.messages import (
     duplicate_request_message,
 )
 from router.errors import DuplicateRequestError
+from router.metrics import FrontMetrics
 from router.outputs import (
     ChoiceDelta,
     FailureKind,
@@ -50,6 +52,7 @@ from router.outputs import (
     coalesce,
 )
 from router.requests import GenerateRequest
+from router.scheduler.sequence import FinishReason
 
 log = logging.getLogger("stagemesh.router")
 
@@ -82,6 +85,9 @@ class RequestState:
     done: bool = False
     pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
     pending_tokens: int = 0  # in `pending` and held by the choices
+    arrived: float = 0.0  # time.monotonic() at submit
+    first_update: float | None = None  # when its first update with tokens was queued
+    last_update: float = 0.0  # when its latest one was
 
 
 class Frontend:
@@ -93,8 +99,10 @@ class Frontend:
     """
 
     def __init__(self, front_id: int, endpoint: FrontEndpoint, tokenizer: ModelTokenizer,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, metrics: FrontMetrics | None = None) -> None:
+        """`metrics`: where the front records its requests' latencies (None: nowhere)."""
         self.front_id = front_id
+        self.metrics = metrics
         self.endpoint = endpoint
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
@@ -130,7 +138,7 @@ class Frontend:
                              req.include_stop_str_in_output, req.skip_special_tokens,
                              hold_tokens=self.stream_interval > 1)
             for i, seq in enumerate(seq_ids)
-        }, unfinished=req.n)
+        }, unfinished=req.n, arrived=time.monotonic())
         self.requests[req.request_id] = state
         for seq in seq_ids:
             self.seq_owner[seq] = state
@@ -255,10 +263,23 @@ class Frontend:
             if choice.holds and (held := choice.take_held()) is not None:
                 state.pending.append(held)
         if state.pending:
+            if self.metrics is not None and any(d.token_ids for d in state.pending):
+                self._note_update(state)
             state.outbox += coalesce(state.pending) if len(state.pending) > 1 else state.pending
             state.wake.set()
             state.pending = []
         state.pending_tokens = 0
+
+    def _note_update(self, state: RequestState) -> None:
+        """An update with tokens goes to the request's stream: its TTFT or an ITL."""
+        assert self.metrics is not None
+        now = time.monotonic()
+        if state.first_update is None:
+            state.first_update = now
+            self.metrics.ttft.observe(now - state.arrived)
+        else:
+            self.metrics.itl.observe(now - state.last_update)
+        state.last_update = now
 
     def _fail_seqs(self, seq_ids: list[int], kind: FailureKind, message: str) -> None:
         states = {id(s): s for s in (self.seq_owner.get(q) for q in seq_ids) if s is not None}
@@ -276,6 +297,8 @@ class Frontend:
         self._close(state, RequestFailed(kind, message))
 
     def _close(self, state: RequestState, last: StreamItem | None) -> None:
+        if self.metrics is not None:
+            self._note_end(state, last)
         state.done = True
         if last is not None:
             state.outbox.append(last)
@@ -283,6 +306,25 @@ class Frontend:
         self.requests.pop(state.request.request_id, None)
         for seq in state.choices:
             self.seq_owner.pop(seq, None)
+
+    def _note_end(self, state: RequestState, last: StreamItem | None) -> None:
+        """The request ends: completed (`RequestDone`), failed, or aborted (None)."""
+        metrics = self.metrics
+        assert metrics is not None
+        metrics.e2e.observe(time.monotonic() - state.arrived)
+        metrics.generation_tokens.inc(state.completion_tokens)
+        if isinstance(last, RequestFailed):
+            metrics.failures.labels(last.kind.value).inc()
+            return
+        for choice in state.choices.values():
+            reason = choice.finish_reason or FinishReason.ABORT
+            metrics.success.labels(reason.value).inc()
+        if isinstance(last, RequestDone):
+            metrics.prompt_tokens.inc(len(state.request.prompt_token_ids))
+            per_choice = state.completion_tokens / len(state.choices)
+            if state.first_update is not None and per_choice > 1:
+                metrics.tpot.observe((state.last_update - state.first_update)
+                                     / (per_choice - 1))
 
     # --- to the core -----------------------------------------------------------------------
 

@@ -24,6 +24,12 @@ import sys
 import tempfile
 from typing import Any
 
+from foundation.metrics import (
+    MetricsServer,
+    multiprocess_registry,
+    remove_multiprocess_dir,
+    serve_metrics,
+)
 from foundation.tls import ListenError
 from foundation.tokenizer import ModelTokenizer
 from router.config import RouterConfig
@@ -40,7 +46,7 @@ CORE_EXIT_TIMEOUT_S = 15.0
 FRONT_EXIT_MARGIN_S = 5.0  # beyond the drain timeout, for a front process to exit
 
 
-def core_config(cfg: RouterConfig, input_address: str) -> CoreConfig:
+def core_config(cfg: RouterConfig, input_address: str, metrics_dir: str = "") -> CoreConfig:
     return CoreConfig(
         model_dir=str(cfg.model_dir), stage_addresses=cfg.stage_addresses,
         input_address=input_address, stage_tls=cfg.stage_tls, max_model_len=cfg.max_model_len,
@@ -50,7 +56,8 @@ def core_config(cfg: RouterConfig, input_address: str) -> CoreConfig:
         recovery_budget_s=cfg.recovery_budget_s, step_timeout_s=cfg.step_timeout_s,
         run_ahead=cfg.run_ahead, run_ahead_depth=cfg.run_ahead_depth,
         stage_token=cfg.stage_token, transport=cfg.transport,
-        standby_stages=cfg.standby_stages, standby_grace_s=cfg.standby_grace_s)
+        standby_stages=cfg.standby_stages, standby_grace_s=cfg.standby_grace_s,
+        metrics_dir=metrics_dir)
 
 
 class RouterApp:
@@ -63,7 +70,14 @@ class RouterApp:
         self.cfg = cfg
         self.tokenizer = ModelTokenizer.from_dir(cfg.model_dir)
         self._dir = tempfile.mkdtemp(prefix="stagemesh-router-")
-        self.core_cfg = core_config(cfg, f"ipc://{self._dir}/core")
+        # Metrics: every process of the router records into one directory (its own, in
+        # this run's directory), summed at each scrape of `metrics_port`.
+        self.metrics_dir = ""
+        if cfg.metrics_port is not None:
+            self.metrics_dir = os.path.join(self._dir, "metrics")
+            os.mkdir(self.metrics_dir)
+        self.metrics_server: MetricsServer | None = None
+        self.core_cfg = core_config(cfg, f"ipc://{self._dir}/core", self.metrics_dir)
         self.port = cfg.port  # the bound one once started
         self.server = FrontServer(self._front_config(0), self.tokenizer)
         self.front = self.server.front
@@ -78,7 +92,8 @@ class RouterApp:
 
     def _front_config(self, front_id: int) -> FrontConfig:
         return FrontConfig.of_router(self.cfg, front_id, self.core_cfg.input_address,
-                                     f"ipc://{self._dir}/front{front_id}", self.port)
+                                     f"ipc://{self._dir}/front{front_id}", self.port,
+                                     self.metrics_dir)
 
     async def start(self) -> str:
         """Serve health at once, start the core and the front processes, and wait until the
@@ -90,6 +105,16 @@ class RouterApp:
         """
         self.port = await self.server.start()  # port 0: the front processes bind this one
         address = f"{self.cfg.host}:{self.port}"
+        if self.cfg.metrics_port is not None:
+            try:
+                self.metrics_server = serve_metrics(multiprocess_registry(self.metrics_dir),
+                                                    self.cfg.metrics_port, self.cfg.host)
+            except OSError as e:
+                await self.server.stop()
+                raise ListenError(f"--metrics-port: cannot listen on {self.cfg.host}:"
+                                  f"{self.cfg.metrics_port}: {e}") from None
+            log.info("metrics on http://%s:%d/metrics", self.cfg.host,
+                     self.metrics_server.port)
         log.info("router listening on %s; waiting for %d stage(s)", address,
                  len(self.cfg.stage_addresses))
         self._start_core()
@@ -170,6 +195,10 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.server.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        if self.metrics_dir:  # and this process records into a directory no more
+            remove_multiprocess_dir(self.metrics_dir)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _wait_core_exit(self) -> None:

@@ -39,6 +39,8 @@ class StageConfig:
         dataplane_advertise: the host the upstream stage dials; "" means the bound host, or
             the router's name for this stage when the bound host is a wildcard.
         tp_init_port: rendezvous port of the TP group on 127.0.0.1 (0 picks one).
+        metrics_port: serve Prometheus metrics at http://host:port/metrics (0 picks one);
+            None serves none.
         step_timeout_s: longest wait for a step's activations from upstream.
         enforce_eager: never replay CUDA graphs for decode steps (debugging, A/B runs).
         activation_compression: the form of the activations this stage sends downstream:
@@ -85,6 +87,7 @@ class StageConfig:
     dataplane_tls_key: str = ""
     dataplane_tls_ca: str = ""
     standby: bool = False
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:
@@ -93,6 +96,8 @@ class StageConfig:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.dataplane_port <= 65535:
             raise ValueError(f"dataplane_port must be in [0, 65535], got {self.dataplane_port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.activation_compression not in COMPRESSION_CHOICES:
             raise ValueError(f"activation_compression must be one of "
                              f"{', '.join(COMPRESSION_CHOICES)}, got "

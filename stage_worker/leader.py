@@ -17,6 +17,7 @@ them when step k resolves, before step k+1 samples (penalties and seeded draws s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from stage_worker.dataplane.compression import (
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
 from stage_worker.host_transfer import host_tensor
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks, offered_transports, ring_config
+from stage_worker.metrics import StageMetrics
 from stage_worker.plan import SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 from stage_worker.step_input import SeqChunk
@@ -77,6 +79,7 @@ class StageLeader:
                                     config=dataplane_config)
         self._pending: _Sampling | None = None  # `step_overlapped`: sampled, not resolved
         self.steps_overlapped = 0  # steps queued on the GPU before the previous one resolved
+        self.metrics: StageMetrics | None = None  # set by the stage's entry point
 
     @property
     def overlaps(self) -> bool:
@@ -124,19 +127,29 @@ class StageLeader:
             LinkNotReadyError, TransportError, ActivationMismatchError: the upstream
                 activations did not come as planned (no other rank saw the plan).
         """
+        started = time.perf_counter()
         rank = self.rank
         rank.check(plan)
         fed = self._run_ahead_inputs(plan)
         upstream = None if rank.is_first else self._receive(plan)
+        waited = time.perf_counter() - started
         tp_fanout.send_plan(rank.tp, plan, fed)
         on_device = self.feedback if rank.is_first and rank.is_last else None
         chunks, out = rank.step(plan, upstream, fed, on_device)
         if rank.is_last:
-            return self._resolve(self._start_sampling(plan.step_id, chunks, out))
-        if out is None:  # nothing computed: the next stage still expects this step
-            out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
-        self.links.send(plan.step_id, compress(out, self.compression))
-        return self._outcome(plan.step_id)
+            outcome = self._resolve(self._start_sampling(plan.step_id, chunks, out))
+        else:
+            if out is None:  # nothing computed: the next stage still expects this step
+                out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
+            sending = time.perf_counter()
+            self.links.send(plan.step_id, compress(out, self.compression))
+            if self.metrics is not None:
+                kind = self.links.downstream_kind
+                self.metrics.sent(kind.value if kind else "", time.perf_counter() - sending)
+            outcome = self._outcome(plan.step_id)
+        if self.metrics is not None:
+            self.metrics.step(plan.num_tokens, waited, time.perf_counter() - started - waited)
+        return outcome
 
     def step_overlapped(self, plan: StagePlan, deliver: Callable[[StageOutcome], None],
                         more_coming: Callable[[], bool]) -> None:
@@ -148,6 +161,7 @@ class StageLeader:
         otherwise it is resolved and delivered now. Outcomes are delivered in step order;
         an error raised here is `plan`'s (the pending step is delivered first).
         """
+        started = time.perf_counter()
         pending, self._pending = self._pending, None
         self.steps_overlapped += pending is not None
         try:
@@ -163,6 +177,8 @@ class StageLeader:
             self._pending = sampling
         else:
             deliver(self._resolve(sampling))
+        if self.metrics is not None:  # one stage: its inputs are its own, nothing to wait for
+            self.metrics.step(plan.num_tokens, 0.0, time.perf_counter() - started)
 
     def flush(self, deliver: Callable[[StageOutcome], None]) -> None:
         """Resolve and deliver the step `step_overlapped` left pending, if any."""

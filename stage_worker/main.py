@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from foundation.api_keys import ApiKeys
 from foundation.grpc_auth import BearerInterceptor
+from foundation.metrics import serve_metrics
 from foundation.ports import free_port
 from foundation.tls import ListenError, ServerTls, add_port
 from kernels.platform import distributed_backend
@@ -28,6 +29,7 @@ from stage_worker.dataplane.compression import Compression
 from stage_worker.dataplane.config import DataPlaneTls
 from stage_worker.leader import StageLeader
 from stage_worker.links import DataPlaneAddress
+from stage_worker.metrics import StageMetrics
 from stage_worker.parallel import TPGroup, init_tp_group
 from stage_worker.service import StageIdentity, StageServicer
 from stage_worker.standby import StandbyServicer
@@ -77,7 +79,28 @@ def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
     leader = StageLeader(rank, cfg.step_timeout_s, DataPlaneAddress(
         cfg.dataplane_host, cfg.dataplane_port, cfg.dataplane_advertise),
         Compression(cfg.activation_compression), cfg.transport, DataPlaneConfig(tls=tls))
-    return StageServicer(leader, StageIdentity.of(cfg, rank))
+    servicer = StageServicer(leader, StageIdentity.of(cfg, rank))
+    if cfg.metrics_port is not None:
+        serve_stage_metrics(cfg, servicer)
+    return servicer
+
+
+def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> int:
+    """Record the stage's metrics and serve them on cfg.metrics_port (a daemon thread for
+    the life of the process); returns the bound port. Raises OSError if it cannot bind."""
+    from prometheus_client import CollectorRegistry
+
+    leader, identity = servicer.leader, servicer.identity
+    held = leader.rank.held
+    registry = CollectorRegistry()
+    leader.metrics = StageMetrics(
+        registry, layers=(identity.layer_start, identity.layer_end),
+        device=str(leader.rank.shape.device), tp_size=cfg.tp_size,
+        kv_blocks_used=lambda: held.kv_blocks_used,
+        kv_blocks_total=lambda: identity.num_kv_blocks, sequences=lambda: len(held.seqs))
+    server = serve_metrics(registry, cfg.metrics_port or 0, cfg.host)
+    log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
+    return server.port
 
 
 async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,

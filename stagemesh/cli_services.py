@@ -34,6 +34,12 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def _env_int(name: str) -> int | None:
+    """An optional port from the environment (unset or empty: None)."""
+    value = os.environ.get(name, "")
+    return int(value) if value else None
+
+
 def _layers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(","))
@@ -98,6 +104,9 @@ def _add_stage(commands: SubParsers) -> None:
                    "router's name for this stage when bound to a wildcard) "
                    "[$STAGEMESH_DATAPLANE_ADVERTISE]")
     p.add_argument("--step-timeout", type=float, default=60.0)
+    p.add_argument("--metrics-port", type=int, default=_env_int("STAGEMESH_STAGE_METRICS_PORT"),
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free "
+                        "port; default: none) [$STAGEMESH_STAGE_METRICS_PORT]")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode steps")
     _add_compression_arg(p)
@@ -189,7 +198,7 @@ def _stage(args: argparse.Namespace) -> int:
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
         enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
         transport=args.transport, dataplane_tls_cert=tls_cert, dataplane_tls_key=tls_key,
-        dataplane_tls_ca=tls_ca, standby=args.standby,
+        dataplane_tls_ca=tls_ca, standby=args.standby, metrics_port=args.metrics_port,
     )
     return run_stage(cfg, args.ready_file, server_tls_of(args), stage_token_of(args))
 
@@ -259,6 +268,11 @@ def _add_router(commands: SubParsers) -> None:
     p.add_argument("--host", default=_env("STAGEMESH_ROUTER_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("STAGEMESH_ROUTER_PORT", "50051")))
     p.add_argument("--ready-file", default=None)
+    p.add_argument("--metrics-port", type=int,
+                   default=_env_int("STAGEMESH_ROUTER_METRICS_PORT"),
+                   help="serve Prometheus metrics (every front's and the engine core's) at "
+                        "http://HOST:PORT/metrics (0: any free port; default: none) "
+                        "[$STAGEMESH_ROUTER_METRICS_PORT]")
     _add_router_args(p)
     add_server_tls_args(p)
     add_stage_token_arg(p, "presented on every call to the stages")
@@ -289,6 +303,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         standby_stages=tuple(s.strip() for s in getattr(args, "standby_stages", "").split(",")
                              if s.strip()),
         standby_grace_s=args.standby_grace,
+        metrics_port=getattr(args, "metrics_port", None),
     )
 
 
@@ -321,6 +336,10 @@ def _add_serve(commands: SubParsers) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--host", default="127.0.0.1", help="router address")
     p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="no Prometheus endpoints on the router and the stages (default: each "
+                        "serves one on a free port, printed when the mesh is ready; the "
+                        "gateway's is at its HTTP port's /metrics)")
     p.add_argument("--gateway-port", type=int, default=8000,
                    help="HTTP gateway port (0 = no gateway)")
     p.add_argument("--num-blocks", type=int, default=None)

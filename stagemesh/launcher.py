@@ -56,6 +56,7 @@ class Child:
     address: str = ""
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    metrics: str = ""  # its Prometheus endpoint, if it serves one
     started_at: float = 0.0
     restart_at: float | None = None  # a restart waiting out its backoff
     backoff_s: float = 0.0
@@ -150,23 +151,33 @@ def build_children(args: argparse.Namespace, workdir: Path,
     # Standby stages share the devices in turn; each counts in its device's memory split.
     standby_devices = [devices[j % len(devices)] for j in range(args.standby)]
     on_device = [*devices, *standby_devices].count
+    def metrics(host: str) -> tuple[list[str], str]:
+        """The flag and URL of a child's metrics endpoint on a free port (none with
+        --no-metrics). A restarted child keeps its port."""
+        if args.no_metrics:
+            return [], ""
+        port = free_port()
+        return ["--metrics-port", str(port)], f"http://{host}:{port}/metrics"
+
     for i, device in enumerate(devices):
         port = free_port()
         stage_addresses.append(f"127.0.0.1:{port}")
+        flags, url = metrics("127.0.0.1")
         argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--port", str(port),
-                "--ready-file", str(workdir / f"stage{i}"),
+                "--ready-file", str(workdir / f"stage{i}"), *flags,
                 *_stage_flags(args, device, on_device(device))]
         children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True,
-                              env=pairing))
+                              env=pairing, metrics=url))
     standby_addresses = []
     for j, device in enumerate(standby_devices):
         port = free_port()
         standby_addresses.append(f"127.0.0.1:{port}")
+        flags, url = metrics("127.0.0.1")  # served once it takes a stage's place
         argv = [*py, "stage", "--model", model, "--standby", "--port", str(port),
-                "--ready-file", str(workdir / f"standby{j}"),
+                "--ready-file", str(workdir / f"standby{j}"), *flags,
                 *_stage_flags(args, device, on_device(device))]
         children.append(Child(f"standby {j}", argv, workdir / f"standby{j}", restart=True,
-                              env=pairing))
+                              env=pairing, metrics=url))
     router = [*py, "router", "--model", model, "--stages", ",".join(stage_addresses),
               "--host", args.host, "--port", str(args.port), "--ready-file",
               str(workdir / "router"), "--max-num-seqs", str(args.max_num_seqs),
@@ -185,6 +196,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--standby-grace", str(args.standby_grace)]
     if standby_addresses:
         router += ["--standby-stages", ",".join(standby_addresses)]
+    router_metrics, router_metrics_url = metrics(args.host)
+    router += router_metrics
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:
@@ -200,14 +213,15 @@ def build_children(args: argparse.Namespace, workdir: Path,
     keys = sorted(api_keys)
     key_env = {"STAGEMESH_API_KEYS": ",".join(keys)} if keys else {}
     children.append(Child("router", router, workdir / "router", restart=False,
-                          env={**key_env, **pairing}))
+                          env={**key_env, **pairing}, metrics=router_metrics_url))
     if args.gateway_port:
         gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
                    "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway"),
                    "--tokenizer", model, "--router-connections", str(args.api_processes)]
         gateway_env = {**key_env, "STAGEMESH_ROUTER_API_KEY": keys[0]} if keys else {}
         children.append(Child("gateway", gateway, workdir / "gateway", restart=True,
-                              env=gateway_env))
+                              env=gateway_env,
+                              metrics=f"http://{args.host}:{args.gateway_port}/metrics"))
     return children
 
 
@@ -275,7 +289,8 @@ def _print_endpoints(children: list[Child], args: argparse.Namespace) -> None:
     print(flush=True)
     for c in children:
         assert c.proc is not None
-        print(f"  {c.role:<8} pid {c.proc.pid:<7} {c.address}", flush=True)
+        metrics = f"  metrics {c.metrics}" if c.metrics else ""
+        print(f"  {c.role:<9} pid {c.proc.pid:<7} {c.address:<21}{metrics}", flush=True)
 
 
 def _supervise(children: list[Child], stop: dict[str, int]) -> None:

@@ -88,6 +88,10 @@ class Mesh:
         self.pids = {m.group(1): int(m.group(2)) for m in (
             re.match(r"\s+(stage \d+|standby \d+|router|gateway)\s+pid (\d+)", line)
             for line in self.proc.lines) if m}
+        # role -> its Prometheus endpoint, as serve printed it
+        self.metrics = {m.group(1): m.group(2) for m in (
+            re.match(r"\s+(stage \d+|standby \d+|router|gateway)\s+pid .* metrics (\S+)",
+                     line) for line in self.proc.lines) if m}
 
     def pid(self, role: str) -> int:
         """The pid of `role` ("stage 0", "router", "gateway") now: the latest restart's

@@ -27,6 +27,7 @@ class CoreConfig:
         transport: the data-plane transport asked for, as `RouterConfig` ("auto", "tcp",
             "cuda_ipc"); the pipeline driver picks each hop's (`Pipeline.hop_transports`).
         standby_stages / standby_grace_s: as `RouterConfig`.
+        metrics_dir: the router's multi-process metrics directory ("" = no metrics).
     """
 
     model_dir: str
@@ -48,6 +49,7 @@ class CoreConfig:
     transport: str = "auto"
     standby_stages: tuple[str, ...] = ()
     standby_grace_s: float = 5.0
+    metrics_dir: str = ""
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

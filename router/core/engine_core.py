@@ -41,6 +41,7 @@ from router.core.messages import (
     front_of,
     pack_outputs,
 )
+from router.metrics import CoreMetrics
 from router.pipeline import Pipeline, PipelineShape, PipelineState, StepOutcome
 from router.scheduler import (
     AdmissionRefusedError,
@@ -82,8 +83,10 @@ class EngineCore:
     says `Hello`; `FrontGone` ends one). Single event loop."""
 
     def __init__(self, cfg: CoreConfig, model: ModelConfig, pipeline: Pipeline,
-                 sink: OutputSink) -> None:
+                 sink: OutputSink, metrics: CoreMetrics | None = None) -> None:
+        """`metrics`: where the core records its metrics (None: it records none)."""
         self.cfg = cfg
+        self.metrics = metrics
         self.model = model
         self.pipeline = pipeline
         self.sink = sink
@@ -273,7 +276,9 @@ class EngineCore:
                     (seq.seq_id, seq.num_computed_tokens))
 
     def _on_outcome(self, outcome: StepOutcome) -> None:
-        self._sent_at.pop(outcome.step_id, None)
+        sent = self._sent_at.pop(outcome.step_id, None)
+        if self.metrics is not None and sent is not None:
+            self.metrics.step_latency.observe(time.monotonic() - sent)
         scheduler = self.scheduler
         assert scheduler is not None
         update = scheduler.update(outcome.step_id, outcome.tokens)
@@ -315,6 +320,8 @@ class EngineCore:
         while True:
             await asyncio.sleep(period)
             self._publish_state()
+            if self.metrics is not None and self.scheduler is not None:
+                self.metrics.refresh(self.scheduler.stats(), self.steps)
             if not self._sent_at or self.pipeline.state is not PipelineState.READY:
                 continue
             oldest = min(self._sent_at)
@@ -330,6 +337,8 @@ class EngineCore:
         self._down_since = time.monotonic()
         self._down_reason = reason
         self._sent_at.clear()
+        if self.metrics is not None:
+            self.metrics.recoveries.inc()
         assert self.scheduler is not None
         preempted = self.scheduler.preempt_all()
         log.warning("pipeline failure (%s): %d sequence(s) preempted for recompute", reason,
@@ -348,6 +357,8 @@ class EngineCore:
             await asyncio.sleep(1.0)
             self._wake.set()  # keep trying in the background; readiness stays NOT_SERVING
             return
+        if self.metrics is not None:
+            self.metrics.recovery_seconds.observe(time.monotonic() - self._down_since)
         self._down_since = None
         self._publish_state()
         self._wake.set()

@@ -20,12 +20,14 @@ import signal
 import sys
 from pathlib import Path
 
+from foundation.metrics import use_multiprocess_dir
 from foundation.model_config import ModelConfig
 from router.core.capacity import CapacityError
 from router.core.channel import CoreEndpoint
 from router.core.config import CoreConfig
 from router.core.engine_core import EngineCore
 from router.core.messages import CoreState
+from router.metrics import CoreMetrics
 from router.pipeline import Pipeline, PipelineError
 
 log = logging.getLogger("stagemesh.core")
@@ -41,7 +43,12 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
     pipeline = Pipeline(list(cfg.stage_addresses), credentials=credentials,
                         stage_token=cfg.stage_token, transport=cfg.transport,
                         standby=cfg.standby_stages, standby_grace_s=cfg.standby_grace_s)
-    core = EngineCore(cfg, ModelConfig.from_dir(Path(cfg.model_dir)), pipeline, endpoint)
+    metrics = None
+    if cfg.metrics_dir:
+        use_multiprocess_dir(cfg.metrics_dir)
+        metrics = CoreMetrics()
+    core = EngineCore(cfg, ModelConfig.from_dir(Path(cfg.model_dir)), pipeline, endpoint,
+                      metrics)
     receiver = asyncio.create_task(_receive(endpoint, core), name="core-receive")
     watcher = asyncio.create_task(_watch_parent()) if watch_parent else None
     try:

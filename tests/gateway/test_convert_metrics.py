@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.convert import ResponseBuilder, router_requests
-from gateway.metrics import GatewayMetrics, Histogram
+from gateway.metrics import GatewayMetrics
 from gateway.params import parse_chat, parse_completions
 from gateway.tokens import TokenTexts
 from protos.stagemesh.v1 import inference_pb2 as pb
@@ -105,32 +106,34 @@ def test_completion_logprobs_offsets_count_characters(texts: TokenTexts) -> None
     assert lp["top_logprobs"][1] == {texts.get(9)[0]: -0.2, "bytes:\\xe6\\x97": -1.0}
 
 
-def test_histogram_is_cumulative() -> None:
-    h = Histogram(bounds=(0.1, 1.0))
-    for v in (0.05, 0.1, 0.5, 7.0):
-        h.observe(v)
-    assert h.lines("x", (("route", "/a"),)) == [
-        'x_bucket{route="/a",le="0.1"} 2', 'x_bucket{route="/a",le="1"} 3',
-        'x_bucket{route="/a",le="+Inf"} 4', 'x_sum{route="/a"} 7.65',
-        'x_count{route="/a"} 4']
-
-
 def test_metrics_text_with_and_without_router_stats() -> None:
     m = GatewayMetrics()
-    m.requests.inc((("route", '/v1/"x"\n'), ("method", "GET"), ("status", "200")))
-    stats = pb.GetStatsResponse(num_running=2, kv_blocks_used=5, kv_blocks_total=64, stages=[
+    m.requests.labels('/v1/"x"\n', "GET", "200").inc()
+    m.duration.labels("/a").observe(0.05)
+    m.duration.labels("/a").observe(7.0)
+    stats = pb.GetStatsResponse(num_running=2, kv_blocks_used=5, kv_blocks_total=64, steps=9,
+                                stages=[
         pb.StageStats(stage=0, kv_blocks_used=5, kv_blocks_total=64, ready=True,
                       transport="cuda_ipc"),
         pb.StageStats(stage=1, kv_blocks_used=4, kv_blocks_total=64, ready=True)])
-    lines = m.render(stats).splitlines()
-    assert 'stagemesh_gateway_requests_total{route="/v1/\\"x\\"\\n",method="GET",' \
-           'status="200"} 1' in lines
-    assert 'stagemesh_kv_blocks_used{stage="0"} 5' in lines
-    assert 'stagemesh_kv_blocks_used{stage="1"} 4' in lines
-    assert "stagemesh_router_requests_running 2" in lines
-    assert [line for line in lines if line.startswith("stagemesh_stage_hop_transport{")] \
-        == ['stagemesh_stage_hop_transport{stage="0",transport="cuda_ipc"} 1']
-    assert "# TYPE stagemesh_kv_blocks_used gauge" in lines
-    down = m.render(None).splitlines()
-    assert "stagemesh_router_up 0" in down
+    text = m.render(stats).decode()
+    # prometheus_client's own parser reads it back (escaped label values included)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("stagemesh_gateway_requests_total",
+                    (("method", "GET"), ("route", '/v1/"x"\n'), ("status", "200")))] == 1
+    assert samples[("stagemesh_gateway_request_duration_seconds_bucket",
+                    (("le", "0.05"), ("route", "/a")))] == 1  # cumulative buckets
+    assert samples[("stagemesh_gateway_request_duration_seconds_bucket",
+                    (("le", "+Inf"), ("route", "/a")))] == 2
+    assert samples[("stagemesh_kv_blocks_used", (("stage", "0"),))] == 5
+    assert samples[("stagemesh_kv_blocks_used", (("stage", "1"),))] == 4
+    assert samples[("stagemesh_router_requests_running", ())] == 2
+    assert samples[("stagemesh_router_steps_total", ())] == 9
+    hops = {k: v for k, v in samples.items() if k[0] == "stagemesh_stage_hop_transport"}
+    assert hops == {("stagemesh_stage_hop_transport",
+                     (("stage", "0"), ("transport", "cuda_ipc"))): 1}
+    assert "# TYPE stagemesh_kv_blocks_used gauge" in text.splitlines()
+    down = m.render(None).decode().splitlines()
+    assert "stagemesh_router_up 0.0" in down
     assert not any(line.startswith("stagemesh_kv_blocks_used") for line in down)

@@ -118,4 +118,4 @@ def test_without_a_router_health_is_up_and_the_rest_is_503(tmp_path: Path) -> No
                          httpx.post(url + "/v1/completions", json={"prompt": "hi"})):
             err = _error(response, 503)
             assert response.headers["retry-after"] == "1"
-        assert "stagemesh_router_up 0" in httpx.get(url + "/metrics").text.splitlines()
+        assert "stagemesh_router_up 0.0" in httpx.get(url + "/metrics").text.splitlines()
