@@ -142,7 +142,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         stages = [pb.StageStats(stage=s.stage, ready=s.ready, layer_start=s.layer_start,
                                 layer_end=s.layer_end, kv_blocks_used=s.kv_blocks_used,
                                 kv_blocks_total=s.kv_blocks_total,
-                                num_sequences=s.num_sequences, transport=s.transport)
+                                num_sequences=s.num_sequences, transport=s.transport,
+                                device=s.device, steps=s.steps, step_time_ms=s.step_time_ms,
+                                bubble_fraction=s.bubble_fraction)
                   for s in stats.stages]
         hit = (stats.prefix_hit_tokens / stats.prefix_query_tokens
                if stats.prefix_query_tokens else 0.0)

@@ -34,7 +34,7 @@ from stage_worker.dataplane.compression import (
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
 from stage_worker.host_transfer import host_tensor
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks, offered_transports, ring_config
-from stage_worker.metrics import StageMetrics
+from stage_worker.metrics import StageMetrics, StepWindow
 from stage_worker.plan import SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 from stage_worker.step_input import SeqChunk
@@ -79,6 +79,7 @@ class StageLeader:
                                     config=dataplane_config)
         self._pending: _Sampling | None = None  # `step_overlapped`: sampled, not resolved
         self.steps_overlapped = 0  # steps queued on the GPU before the previous one resolved
+        self.window = StepWindow()  # the last seconds of steps, for Describe
         self.metrics: StageMetrics | None = None  # set by the stage's entry point
 
     @property
@@ -147,8 +148,10 @@ class StageLeader:
                 kind = self.links.downstream_kind
                 self.metrics.sent(kind.value if kind else "", time.perf_counter() - sending)
             outcome = self._outcome(plan.step_id)
+        busy = time.perf_counter() - started - waited
+        self.window.add(waited, busy)
         if self.metrics is not None:
-            self.metrics.step(plan.num_tokens, waited, time.perf_counter() - started - waited)
+            self.metrics.step(plan.num_tokens, waited, busy)
         return outcome
 
     def step_overlapped(self, plan: StagePlan, deliver: Callable[[StageOutcome], None],
@@ -177,8 +180,10 @@ class StageLeader:
             self._pending = sampling
         else:
             deliver(self._resolve(sampling))
-        if self.metrics is not None:  # one stage: its inputs are its own, nothing to wait for
-            self.metrics.step(plan.num_tokens, 0.0, time.perf_counter() - started)
+        busy = time.perf_counter() - started  # one stage: its inputs are its own, no wait
+        self.window.add(0.0, busy)
+        if self.metrics is not None:
+            self.metrics.step(plan.num_tokens, 0.0, busy)
 
     def flush(self, deliver: Callable[[StageOutcome], None]) -> None:
         """Resolve and deliver the step `step_overlapped` left pending, if any."""

@@ -94,7 +94,7 @@ def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> int:
     held = leader.rank.held
     registry = CollectorRegistry()
     leader.metrics = StageMetrics(
-        registry, layers=(identity.layer_start, identity.layer_end),
+        registry, leader.window, layers=(identity.layer_start, identity.layer_end),
         device=str(leader.rank.shape.device), tp_size=cfg.tp_size,
         kv_blocks_used=lambda: held.kv_blocks_used,
         kv_blocks_total=lambda: identity.num_kv_blocks, sequences=lambda: len(held.seqs))

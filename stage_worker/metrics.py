@@ -1,11 +1,12 @@
 """A stage's Prometheus metrics: where each step's time goes on this stage, its hops, its KV.
 
-Recorded by the stage leader around each step (`StageMetrics.step`); served on the stage's
-`--metrics-port`. Per step: the wait for its input (upstream activations, or run-ahead
-tokens on the first stage), the time it spent on the stage besides that wait (compute,
-sampling, the send), and the send of its activations to the next stage by transport. The
-pipeline bubble is the share of wall time the stage waited for input: a gauge over the
-last `BUBBLE_WINDOW_S`, and `rate()` of the wait histogram's sum in Prometheus.
+The stage leader records each step: always in a `StepWindow` (`Describe` reports its
+figures), and in `StageMetrics` where the stage serves metrics on its `--metrics-port`.
+Per step: the wait for its input (upstream activations, or run-ahead tokens on the first
+stage), the time it spent on the stage besides that wait (compute, sampling, the send), and
+the send of its activations to the next stage by transport. The pipeline bubble is the
+share of wall time the stage waited for input: over the last `BUBBLE_WINDOW_S` (the gauge,
+`Describe`), and `rate()` of the wait histogram's sum in Prometheus.
 docs/OBSERVABILITY.md lists every metric.
 """
 
@@ -24,17 +25,55 @@ BUBBLE_WINDOW_S = 10.0
 P = PREFIX + "stage_"
 
 
+class StepWindow:
+    """The stage's last BUBBLE_WINDOW_S of steps, for `Describe` and the bubble gauge: steps
+    run, mean step time besides the wait for input, and the share of wall time waited.
+    Kept whether or not the stage serves metrics (a deque entry per step)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._steps: deque[tuple[float, float, float]] = deque()  # (end, waited, busy)
+        self._first: float | None = None
+        self.total = 0  # steps since start
+        self._lock = threading.Lock()
+
+    def add(self, waited_s: float, busy_s: float) -> None:
+        now = self._clock()
+        with self._lock:
+            self.total += 1
+            if self._first is None:
+                self._first = now - waited_s - busy_s
+            self._steps.append((now, waited_s, busy_s))
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._steps and self._steps[0][0] < now - BUBBLE_WINDOW_S:
+            self._steps.popleft()
+
+    def snapshot(self) -> tuple[float, float]:
+        """(mean busy seconds per step, waited / wall) over the window; (0, 0) when no step
+        ended in it. The window starts no earlier than the first step."""
+        now = self._clock()
+        with self._lock:
+            self._trim(now)
+            if not self._steps or self._first is None:
+                return 0.0, 0.0
+            waited = sum(w for _, w, _ in self._steps)
+            busy = sum(b for _, _, b in self._steps) / len(self._steps)
+            wall = min(BUBBLE_WINDOW_S, now - self._first)
+        return busy, (min(1.0, waited / wall) if wall > 0 else 0.0)
+
+
 class StageMetrics:
     """The metrics of one stage process (TP rank 0 records for the whole TP group).
 
     `kv_blocks_used`, `kv_blocks_total` and `sequences` are read at scrape time.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, layers: tuple[int, int], device: str,
-                 tp_size: int, kv_blocks_used: Callable[[], float],
-                 kv_blocks_total: Callable[[], float], sequences: Callable[[], float],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+    def __init__(self, registry: CollectorRegistry, window: StepWindow, *,
+                 layers: tuple[int, int], device: str, tp_size: int,
+                 kv_blocks_used: Callable[[], float], kv_blocks_total: Callable[[], float],
+                 sequences: Callable[[], float]) -> None:
         Info(P + "layers", "The stage: its layer range [start, end), device and TP size",
              registry=registry).info({"start": str(layers[0]), "end": str(layers[1]),
                                       "device": device, "tp_size": str(tp_size)})
@@ -55,16 +94,13 @@ class StageMetrics:
             registry=registry)
         self.bubble = Gauge(P + "bubble_fraction", "Share of the last 10 s this stage "
                             "waited for input (0 when it ran no step)", registry=registry)
-        self.bubble.set_function(self.bubble_fraction)
+        self.bubble.set_function(lambda: window.snapshot()[1])
         for name, help_text, read in (
                 ("kv_blocks_used", "KV blocks referenced by sequences held here",
                  kv_blocks_used),
                 ("kv_blocks_total", "KV blocks in this stage's pool", kv_blocks_total),
                 ("sequences", "Sequences with state on this stage", sequences)):
             Gauge(P + name, help_text, registry=registry).set_function(read)
-        self._window: deque[tuple[float, float]] = deque()  # (step end, waited s)
-        self._first_step: float | None = None
-        self._lock = threading.Lock()
 
     def step(self, tokens: int, waited_s: float, busy_s: float) -> None:
         """One step ran: `tokens` rows, `waited_s` for its input, `busy_s` besides."""
@@ -72,26 +108,6 @@ class StageMetrics:
         self.tokens.inc(tokens)
         self.input_wait.observe(waited_s)
         self.busy.observe(busy_s)
-        now = self._clock()
-        with self._lock:
-            if self._first_step is None:
-                self._first_step = now - waited_s - busy_s
-            self._window.append((now, waited_s))
-            while self._window and self._window[0][0] < now - BUBBLE_WINDOW_S:
-                self._window.popleft()
 
     def sent(self, transport: str, seconds: float) -> None:
         self.hop_send.labels(transport).observe(seconds)
-
-    def bubble_fraction(self) -> float:
-        """Waited time over wall time in the window (the steps that ended within it; the
-        window starts no earlier than the first step)."""
-        now = self._clock()
-        with self._lock:
-            while self._window and self._window[0][0] < now - BUBBLE_WINDOW_S:
-                self._window.popleft()
-            if not self._window or self._first_step is None:
-                return 0.0
-            waited = sum(w for _, w in self._window)
-            wall = min(BUBBLE_WINDOW_S, now - self._first_step)
-        return min(1.0, waited / wall) if wall > 0 else 0.0

@@ -166,6 +166,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     async def Describe(self, request: pb.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
         i, held = self.identity, self.leader.rank.held
+        step_s, bubble = self.leader.window.snapshot()
         return pb.DescribeResponse(
             stage_index=i.stage_index, num_stages=i.num_stages, layer_start=i.layer_start,
             layer_end=i.layer_end, device=i.device, dtype=i.dtype, tp_size=i.tp_size,
@@ -174,7 +175,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             num_sequences=len(held.seqs),
             transports=[_KIND_ENUMS[k] for k in self.leader.transports], host_id=host_id(),
             max_num_batched_tokens=i.max_num_batched_tokens, max_num_seqs=i.max_num_seqs,
-            model_impl=i.model_impl,
+            model_impl=i.model_impl, steps=self.leader.window.total,
+            step_time_ms=step_s * 1e3, bubble_fraction=bubble,
         )
 
     async def Connect(self, request: pb.ConnectRequest,

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     add_service_commands(commands)
     _add_ask(commands)
+    _add_status(commands)
     return parser
 
 
@@ -173,6 +174,34 @@ def _ask(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- status ---------------------------------------------------------------------------------
+
+
+def _add_status(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "status", help="the mesh at a glance: the router's queue and KV, each stage's layers, "
+                       "device, KV, step time, bubble and hop transport")
+    parser.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
+    parser.add_argument("--watch", type=_positive_float, default=None, metavar="SECONDS",
+                        help="refresh every SECONDS until interrupted (default: print once)")
+    parser.add_argument("--api-key", default=os.environ.get("STAGEMESH_API_KEY"),
+                        help="key for a router started with API keys [$STAGEMESH_API_KEY]")
+    add_client_tls_args(parser, "router")
+    parser.set_defaults(handler=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from stagemesh.status import run_status
+
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    tls = client_tls_of(args, "router")
+    return asyncio.run(run_status(args.router, args.watch,
+                                  credentials=tls.credentials() if tls else None,
+                                  metadata=metadata))
+
+
 # --- argument types ---------------------------------------------------------------------------
 
 
@@ -194,6 +223,13 @@ def _non_negative_float(text: str) -> float:
     value = _parse(float, text)
     if not value >= 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _parse(float, text)
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

@@ -387,7 +387,8 @@ class EngineCore:
             hop = hops[i] if i < len(hops) else ""  # the last stage has no hop
             stages.append(StageStat(i, False, transport=hop) if info is None else StageStat(
                 i, ready, info.layer_start, info.layer_end, info.kv_blocks_used,
-                info.num_kv_blocks, info.num_sequences, hop))
+                info.num_kv_blocks, info.num_sequences, hop, info.device, info.steps,
+                info.step_time_ms, info.bubble_fraction))
         self.sink.send(msg.front, CoreStats(
             msg.request_id, stats.num_waiting, stats.num_running, kv.num_used_blocks,
             kv.num_blocks, kv.num_cached_free_blocks, kv.prefix_query_tokens,

@@ -185,6 +185,10 @@ class StageStat(msgspec.Struct, array_like=True):
     kv_blocks_total: int = 0
     num_sequences: int = 0
     transport: str = ""
+    device: str = ""
+    steps: int = 0
+    step_time_ms: float = 0.0
+    bubble_fraction: float = 0.0
 
 
 class CoreStats(msgspec.Struct, tag=True, array_like=True):

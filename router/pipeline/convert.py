@@ -156,7 +156,8 @@ def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:
         max_num_batched_tokens=msg.max_num_batched_tokens, max_num_seqs=msg.max_num_seqs,
         model_impl=msg.model_impl, kv_blocks_used=msg.kv_blocks_used,
         num_sequences=msg.num_sequences, transports=transports or ("tcp",),
-        host_id=msg.host_id, standby=msg.standby)
+        host_id=msg.host_id, standby=msg.standby, steps=msg.steps,
+        step_time_ms=msg.step_time_ms, bubble_fraction=msg.bubble_fraction)
 
 
 def assign_request(index: int, shape: PipelineShape) -> pb.AssignRequest:

@@ -40,6 +40,9 @@ class StageInfo:
     transports: tuple[str, ...] = ("tcp",)
     standby: bool = False  # a standby stage, not assigned a place yet (holds no layers)
     host_id: str = ""
+    steps: int = 0  # live figures (Describe at the time): steps run, recent step time, bubble
+    step_time_ms: float = 0.0
+    bubble_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

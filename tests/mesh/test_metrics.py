@@ -5,8 +5,11 @@ where they must be (the second stage waits for the first: its bubble)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx2 as httpx
 import pytest
@@ -22,6 +25,24 @@ pytestmark = pytest.mark.slow
 PROMPTS = ("The capital of France is", "One, two, three,", "Hello")
 TOKENS = 5  # per gRPC request (EOS ignored)
 HTTP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the services said right after the requests (stage windows are 10 s long)."""
+
+    stats: pb.GetStatsResponse  # GetStats
+    status: str  # `stagemesh status`
+
+
+@pytest.fixture(scope="module")
+def seen(scraped: tuple[Mesh, dict[str, str], int]) -> Seen:
+    mesh = scraped[0]
+    stats = mesh.stub().GetStats(pb.GetStatsRequest(), timeout=10)
+    done = subprocess.run([sys.executable, "-m", "stagemesh", "status", "--router",
+                           mesh.address], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return Seen(stats, done.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +131,25 @@ def test_gateway_counts_its_request(scraped: tuple[Mesh, dict[str, str], int]) -
                   method="POST", status="200") == 1
     assert sample(gateway, "stagemesh_gateway_tokens_total", kind="completion") == HTTP_TOKENS
     assert sample(gateway, "stagemesh_router_up") == 1
+
+
+def test_get_stats_and_status_show_each_stage_live(
+        scraped: tuple[Mesh, dict[str, str], int], seen: Seen) -> None:
+    steps = sample(scraped[1]["router"], "stagemesh_steps_total")
+    first, second = seen.stats.stages
+    assert (first.layer_start, first.layer_end, second.layer_start, second.layer_end) == \
+        (0, 15, 15, 30)
+    assert first.device == second.device == "cpu"
+    assert first.steps == second.steps == steps
+    assert first.step_time_ms > 0 and second.step_time_ms > 0
+    assert 0 < second.bubble_fraction <= 1
+    assert (first.transport, second.transport) == ("tcp", "")
+    lines = seen.status.splitlines()
+    assert lines[0].startswith(f"router {scraped[0].address}: 0 running, 0 waiting")
+    header = lines[2].split()
+    assert header == ["stage", "layers", "device", "ready", "KV", "blocks", "sequences",
+                      "steps", "step", "ms", "bubble", "hop"]
+    rows = [line.split() for line in lines[3:]]
+    assert [r[:4] for r in rows] == [["0", "0-14", "cpu", "yes"], ["1", "15-29", "cpu", "yes"]]
+    assert [r[-1] for r in rows] == ["tcp", "-"]
+    assert rows[1][-2].endswith("%") and 0 < int(rows[1][-2][:-1]) <= 100  # a moment later
