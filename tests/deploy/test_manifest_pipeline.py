@@ -18,6 +18,7 @@ import pytest
 from foundation.ports import free_port
 from stagemesh.local_mesh import Proc
 from tests.deploy.manifests import DEPLOY, Container, load_kustomization, role
+from tests.prom import sample
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +53,14 @@ def test_the_manifest_commands_serve_a_chat_completion() -> None:
     (gateway,) = role(docs, "gateway")
     control = [free_port() for _ in stages]
     dataplane = [free_port() for _ in stages]
+    metrics = [free_port() for _ in range(len(stages) + 1)]  # the stages', the router's
     router_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "stagemesh"]
-    procs = [Proc([*cmd, *_with(s, port=str(control[i]), dataplane_port=str(dataplane[i]))])
+    procs = [Proc([*cmd, *_with(s, port=str(control[i]), dataplane_port=str(dataplane[i]),
+                                metrics_port=str(metrics[i]))])
              for i, s in enumerate(stages)]
     procs.append(Proc([*cmd, *_with(
-        router, port=str(router_port),
+        router, port=str(router_port), metrics_port=str(metrics[-1]),
         stages=",".join(f"127.0.0.1:{p}" for p in control))]))
     procs.append(Proc([*cmd, *_with(gateway, port=str(http_port),
                                     router=f"127.0.0.1:{router_port}")]))
@@ -83,10 +86,16 @@ def test_the_manifest_commands_serve_a_chat_completion() -> None:
         # advertised under the router's name for it, which the upstream stage dialled).
         with socket.create_connection(("127.0.0.1", dataplane[1]), timeout=5):
             pass
-        status, metrics = _get(f"{base}/metrics")
+        status, text = _get(f"{base}/metrics")
         assert status == 200
         for i in range(len(stages)):
-            assert f'stagemesh_kv_blocks_used{{stage="{i}"}}' in metrics.decode()
+            assert f'stagemesh_kv_blocks_used{{stage="{i}"}}' in text.decode()
+        # the router and each stage serve their own metrics on the manifests' metrics port
+        for i, port in enumerate(metrics):
+            status, text = _get(f"http://127.0.0.1:{port}/metrics")
+            name = ("stagemesh_stage_steps_total" if i < len(stages)
+                    else "stagemesh_time_to_first_token_seconds_count")
+            assert status == 200 and (sample(text.decode(), name) or 0) > 0, name
     finally:
         for p in reversed(procs):
             p.stop(timeout=30)

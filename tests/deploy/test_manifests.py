@@ -122,17 +122,35 @@ def test_network_policy_keeps_control_and_data_plane_inside_the_pipeline() -> No
     for stage in stage_containers():
         labels = stage.pod["metadata"]["labels"]
         allowed: dict[int, list[dict[str, str]]] = {}
+        open_to_all: set[int] = set()
         for rule in _ingress_rules_for(labels):
-            sources = [f["podSelector"]["matchLabels"] for f in rule["from"]]  # never open
-            for p in rule["ports"]:
-                allowed.setdefault(int(p["port"]), []).extend(sources)
+            ports = {int(p["port"]) for p in rule["ports"]}
+            if "from" not in rule:  # only Prometheus's port is open to the cluster
+                open_to_all |= ports
+                continue
+            sources = [f["podSelector"]["matchLabels"] for f in rule["from"]]
+            for port in ports:
+                allowed.setdefault(port, []).extend(sources)
+        assert open_to_all == {stage.port("metrics")}
         assert set(allowed) == {stage.port("control"), stage.port("dataplane")}
         assert all(selects(s, router_labels) for s in allowed[stage.port("control")])
         for source in allowed[stage.port("dataplane")]:
             assert all(selects(source, s.pod["metadata"]["labels"]) for s in stage_containers())
             assert not selects(source, router_labels)
     open_ports = {int(p["port"]) for r in _ingress_rules_for(router_labels) for p in r["ports"]}
-    assert open_ports == {int(router.flag("port")), int(role(BASE, "gateway")[0].flag("port"))}
+    assert open_ports == {int(router.flag("port")), int(role(BASE, "gateway")[0].flag("port")),
+                          router.port("metrics")}
+
+
+@pytest.mark.parametrize("container", [*stage_containers(), *role(BASE, "router")],
+                         ids=lambda c: c.spec["name"])
+def test_metrics_port_is_declared_and_outside_the_mesh_proxies(container: Container) -> None:
+    port = container.flag("metrics-port")
+    assert int(port) == container.port("metrics")
+    annotations = container.pod["metadata"]["annotations"]
+    for key in ("traffic.sidecar.istio.io/excludeInboundPorts",
+                "config.linkerd.io/skip-inbound-ports"):
+        assert port in annotations[key].split(","), key
 
 
 def test_services_target_named_ports_of_the_pods_they_select() -> None:
