@@ -47,6 +47,21 @@ def write_json(path: Path, config: dict[str, Any], rows: list[dict[str, Any]]) -
     print(f"wrote {path}")
 
 
+def stage_figures(address: str) -> list[dict[str, float]]:
+    """Each stage's figures over the last 10 s, as the router's GetStats reports them:
+    its pipeline bubble (share of time it waited for input) and mean step time."""
+    import asyncio
+
+    from router.client import RouterClient
+
+    async def ask() -> list[dict[str, float]]:
+        async with RouterClient(address) as client:
+            stats = await client.stats(timeout=30)
+        return [{"bubble": s.bubble_fraction, "step_ms": s.step_time_ms} for s in stats.stages]
+
+    return asyncio.run(ask())
+
+
 def hop_transports(address: str) -> list[str]:
     """The data-plane transport of each hop of the mesh at `address`, as its router reports
     it (GetModelInfo): what a figure was measured over, not what was asked for."""

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import git_revision, hop_transports, print_table, write_json
+from benchmarks.report import (
+    git_revision,
+    hop_transports,
+    print_table,
+    stage_figures,
+    write_json,
+)
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
@@ -120,12 +126,62 @@ def main() -> None:
                  *args.extra.split()]
         with Mesh(*flags, timeout=900) as mesh:
             rows.append({"stages": p, "hop_transports": hop_transports(mesh.address),
-                         **run(mesh.address, prompts, args.output_len, args.clients)})
+                         **run(mesh.address, prompts, args.output_len, args.clients),
+                         # the last 10 s of the run (it has just ended)
+                         "stage_figures": stage_figures(mesh.address)})
         print(rows[-1], flush=True)
     for r in rows:
         r["vs_1_stage"] = r["output_tok_s"] / rows[0]["output_tok_s"]
     write_json(args.out, config, rows)
-    print_table(rows)
+    print_table([{k: v for k, v in r.items() if k != "stage_figures"} for r in rows])
+    png = args.out.with_suffix(".png")
+    if plot_throughput(rows, png, config):
+        print(f"wrote {png}")
+
+
+def plot_throughput(rows: list[dict[str, Any]], png: Path, config: dict[str, Any]) -> bool:
+    """Output tok/s against pipeline depth (W4), and each stage's bubble at each depth;
+    False (nothing written) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    depths = [r["stages"] for r in rows]
+    left.plot(depths, [r["output_tok_s"] for r in rows], marker="o")
+    for r in rows:
+        left.annotate(f"{r['vs_1_stage']:.2f}x", (r["stages"], r["output_tok_s"]),
+                      textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    left.set_xticks(depths)
+    left.set_ylim(bottom=0)
+    left.set_xlabel("pipeline stages")
+    left.set_ylabel("output tok/s")
+    left.set_title("Throughput against stages")
+    width = 0.8 / max(depths)
+    for r in rows:
+        bubbles = [100 * f["bubble"] for f in r.get("stage_figures", [])]
+        xs = [r["stages"] + (i - (len(bubbles) - 1) / 2) * width for i in range(len(bubbles))]
+        right.bar(xs, bubbles, width=width * 0.9)
+        for x, b, i in zip(xs, bubbles, range(len(bubbles)), strict=True):
+            right.annotate(f"s{i}", (x, b), textcoords="offset points", xytext=(0, 2),
+                           ha="center", fontsize=7)
+    right.set_xticks(depths)
+    right.set_ylim(0, 100)
+    right.set_xlabel("pipeline stages")
+    right.set_ylabel("% of the last 10 s waiting for input")
+    right.set_title("Pipeline bubble per stage")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{Path(str(config.get('model'))).name}, {config.get('requests')} requests "
+                 f"{config.get('prompt_len')}/{config.get('output_len')}, "
+                 f"{config.get('device')}, rev {config.get('revision')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
 
 
 if __name__ == "__main__":
