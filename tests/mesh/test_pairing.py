@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 def _stage_address(mesh: Mesh, index: int) -> str:
     for line in mesh.proc.lines:
         if line.strip().startswith(f"stage {index}") and " pid " in line:
-            return line.split()[-1]
+            words = line.split()  # stage N pid PID ADDRESS [metrics URL]
+            return words[words.index("pid") + 2]
     raise AssertionError(mesh.proc.output)
 
 
