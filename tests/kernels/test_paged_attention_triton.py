@@ -21,14 +21,15 @@ DECODES = ((0, 1), (130, 1), (63, 1), (200, 1))  # one key tile to four, split K
 
 
 def check(device: str, dtype: torch.dtype, tol: float,
-          splits: tuple[int | None, ...] = (None,)) -> None:
+          splits: tuple[int | None, ...] = (None,),
+          batches: tuple[tuple[tuple[int, int], ...], ...] = (MIXED, LONG, DECODES)) -> None:
     """Every head layout, the mixed, the long and the decode batch: kernel vs oracle and vs
     reference, with the split count the kernel picks (None) and each one given. A split
     count above a sequence's key tiles leaves splits empty; they must weigh nothing."""
     from kernels.paged_attention_triton import paged_attention_triton
 
     for hq, hkv, dim in HEADS:
-        for seed, shapes in enumerate((MIXED, LONG, DECODES)):
+        for seed, shapes in enumerate(batches):
             case = mixed_case(seed, hq, hkv, dim, block=16, num_blocks=64, shapes=shapes,
                               dtype=dtype, device=device)
             ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta,
@@ -50,8 +51,10 @@ def test_kernel_on_cuda(dtype: torch.dtype, tol: float) -> None:
 
 
 def test_kernel_in_the_triton_interpreter() -> None:
-    run_interpreted("import torch; from tests.kernels.test_paged_attention_triton import check; "
-                    "check('cpu', torch.float32, 1e-5, splits=(1, 3))")
+    run_interpreted("import torch; from tests.kernels.test_paged_attention_triton import "
+                    "LONG, MIXED, DECODES, check; "
+                    "check('cpu', torch.float32, 1e-5, batches=(MIXED, LONG)); "
+                    "check('cpu', torch.float32, 1e-5, splits=(3,), batches=(DECODES,))")
 
 
 def test_split_count_follows_the_shape_only() -> None:
