@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from foundation.api_keys import ApiKeys
+from foundation.tracing import context_from_headers, tracer
 from gateway.config import GatewayConfig
 from gateway.connections import RouterConnections
 from gateway.errors import APIError, from_rpc_error
@@ -102,6 +104,24 @@ class GatewayApp:
         return None
 
     async def _http(self, ex: Exchange) -> None:
+        """Answer one request; with tracing on, inside a server span that continues the
+        client's trace (its `traceparent` header) and is the parent of the router calls."""
+        t = tracer()
+        if t is None:
+            await self._answer(ex)
+            return
+        route = self._route(ex.path) or "other"
+        with t.start_as_current_span(
+                f"{ex.method} {route}", context_from_headers(ex.headers), kind=SpanKind.SERVER,
+                attributes={"http.request.method": ex.method, "http.route": route,
+                            "url.path": ex.path}) as span:
+            await self._answer(ex)
+            status = ex.status or CLIENT_CLOSED
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+
+    async def _answer(self, ex: Exchange) -> None:
         started = time.monotonic()
         route = self._route(ex.path)
         self.metrics.in_flight.inc()

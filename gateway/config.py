@@ -33,6 +33,8 @@ class GatewayConfig:
             each request's router calls go on one of them (`gateway/connections.py`). Set it
             to the router's `--api-processes`: the kernel spreads connections, not calls,
             over the router's front processes.
+        otlp_traces_endpoint: where OpenTelemetry spans go (`foundation.tracing`); None =
+            the standard environment's, else no tracing.
     """
 
     router: str = "127.0.0.1:50051"
@@ -48,6 +50,7 @@ class GatewayConfig:
     max_prompts: int = 64
     drain_timeout_s: float = 30.0
     router_connections: int = 1
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

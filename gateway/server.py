@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
+from foundation.tracing import setup_tracing
 from gateway.app import GatewayApp
 from gateway.config import GatewayConfig
 
@@ -62,6 +63,8 @@ async def serve_gateway(cfg: GatewayConfig, ready_file: Path | None = None) -> i
 
 def run_gateway(cfg: GatewayConfig, ready_file: Path | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[gateway] %(message)s", stream=sys.stderr)
+    if setup_tracing("stagemesh-gateway", cfg.otlp_traces_endpoint) is not None:
+        log.info("tracing: OpenTelemetry spans over OTLP")
     loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     try:
         import uvloop

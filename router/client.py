@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from foundation.tracing import current_metadata, tracer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 
@@ -130,7 +131,10 @@ class RouterClient:
                        **kwargs: Any) -> AsyncIterator[Chunk]:
         """Stream a generation; see `build_request` for the arguments."""
         request = kwargs.pop("request", None) or build_request(prompt, **kwargs)
-        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        metadata = self.metadata
+        if tracer() is not None:  # the caller's span becomes the router's span's parent
+            metadata = (*metadata, *current_metadata())
+        call = self.stub.Generate(request, timeout=timeout, metadata=metadata)
         try:
             async for msg in call:
                 yield chunk_from_proto(msg)

@@ -48,6 +48,8 @@ class RouterConfig:
             (detokenizing, stop strings, one gRPC message per token per stream) limits
             throughput.
         audit_log: one JSON line per Generate call on stderr (`router.audit`).
+        otlp_traces_endpoint: where OpenTelemetry spans go (`foundation.tracing`); None =
+            the standard environment's, else no tracing.
         metrics_port: serve Prometheus metrics at http://host:port/metrics (0 picks one):
             every front's and the engine core's, summed (`router.metrics`); None = none.
         audit_log_content: put the prompt and output text in those lines (the users' data:
@@ -96,6 +98,7 @@ class RouterConfig:
     standby_stages: tuple[str, ...] = ()
     standby_grace_s: float = 5.0
     metrics_port: int | None = None
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from foundation.tls import ListenError
 from foundation.tokenizer import ModelTokenizer
+from foundation.tracing import setup_tracing
 from router.front_server import FrontConfig, FrontServer
 
 log = logging.getLogger("stagemesh.router")
@@ -84,6 +85,7 @@ def main() -> int:
     cfg = FrontConfig.from_json(sys.stdin.read())
     logging.basicConfig(level=logging.INFO, format=f"[front {cfg.front_id}] %(message)s",
                         stream=sys.stderr)
+    setup_tracing("stagemesh-router", cfg.otlp_traces_endpoint)
     with contextlib.suppress(ImportError):
         import uvloop
 

@@ -58,6 +58,7 @@ class FrontConfig:
             drain_timeout_s / api_keys / tls / audit_log / audit_log_content: as
             `RouterConfig`.
         metrics_dir: the router's multi-process metrics directory ("" = no metrics).
+        otlp_traces_endpoint: as `RouterConfig`; a front process sets up tracing with it.
     """
 
     front_id: int
@@ -75,6 +76,7 @@ class FrontConfig:
     audit_log: bool = True
     audit_log_content: bool = False
     metrics_dir: str = ""
+    otlp_traces_endpoint: str | None = None
 
     @classmethod
     def of_router(cls, cfg: RouterConfig, front_id: int, core_address: str,
@@ -82,7 +84,7 @@ class FrontConfig:
         return cls(front_id, core_address, output_address, str(cfg.model_dir),
                    cfg.model_name, cfg.host, port, cfg.max_request_bytes, cfg.stream_interval,
                    cfg.drain_timeout_s, cfg.api_keys, cfg.tls, cfg.audit_log,
-                   cfg.audit_log_content, metrics_dir)
+                   cfg.audit_log_content, metrics_dir, cfg.otlp_traces_endpoint)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -32,6 +32,7 @@ from foundation.metrics import (
 )
 from foundation.tls import ListenError
 from foundation.tokenizer import ModelTokenizer
+from foundation.tracing import setup_tracing
 from router.config import RouterConfig
 from router.core.config import CoreConfig
 from router.core.messages import ServedInfo
@@ -248,6 +249,8 @@ async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
 
 def run_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[router] %(message)s", stream=sys.stderr)
+    if setup_tracing("stagemesh-router", cfg.otlp_traces_endpoint) is not None:
+        log.info("tracing: OpenTelemetry spans over OTLP")
     with contextlib.suppress(ImportError):
         import uvloop
 

@@ -12,13 +12,16 @@ sends: a pipeline that re-links may link a hop differently.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from foundation.tokenizer import ModelTokenizer
+from foundation.tracing import context_from_metadata, tracer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from router.audit import AuditLog, AuditRecord, key_id
@@ -73,6 +76,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         audit = self.audit
         record = AuditRecord(context.peer(), key_id(context.invocation_metadata()),
                              request.model or self.model_name, request.request_id)
+        span = _generate_span(request, record.model, context)
         try:
             served = self._model(request.model)
             if self.draining:
@@ -81,12 +85,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                    self.tokenizer)
             write, request_id = context.write, req.request_id
             record.request_id, record.prompt_tokens = request_id, len(req.prompt_token_ids)
+            if span is not None:
+                span.set_attributes({
+                    "gen_ai.request.id": request_id, "gen_ai.request.max_tokens": req.max_tokens,
+                    "gen_ai.request.temperature": req.sampling.temperature,
+                    "gen_ai.request.top_p": req.sampling.top_p,
+                    "gen_ai.request.choice.count": req.n,
+                    "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
+            first_token = span is not None
             if audit.content:
                 record.prompt = self.tokenizer.decode(req.prompt_token_ids,
                                                       skip_special_tokens=False)
             async for items in self.front.submit(req):
                 for item in items:
                     if isinstance(item, ChoiceDelta):
+                        if first_token and item.token_ids and span is not None:
+                            first_token = False
+                            _note_first_token(span)
                         await write(delta_to_proto(request_id, item))
                         if item.finish_reason is not None:
                             record.finish_reasons[item.index] = item.finish_reason.value
@@ -110,6 +125,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             await abort_with_status(context, e)
         finally:
             audit.emit(record)
+            if span is not None:
+                _end_generate_span(span, record)
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest,
@@ -155,6 +172,43 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             stages=stages, steps=stats.steps,
             requests_finished=stats.requests_finished,
         )
+
+
+def _generate_span(request: pb.GenerateRequest, model: str,
+                   context: grpc.aio.ServicerContext) -> Span | None:
+    """The call's span (None when tracing is off), a child of the caller's trace context
+    (the gateway's, or a client's `traceparent` metadata), named and attributed as
+    OpenTelemetry's GenAI conventions say."""
+    t = tracer()
+    if t is None:
+        return None
+    operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+    return t.start_span(
+        f"{operation} {model}", context_from_metadata(context.invocation_metadata()),
+        kind=SpanKind.SERVER, attributes={
+            "gen_ai.operation.name": operation, "gen_ai.system": "stagemesh",
+            "gen_ai.request.model": model, "rpc.system": "grpc",
+            "rpc.service": "stagemesh.v1.InferenceService", "rpc.method": "Generate"},
+        start_time=time.time_ns())
+
+
+def _note_first_token(span: Span) -> None:
+    """The first token went to the client: an event, and the time to it."""
+    start = getattr(span, "start_time", None)  # an SDK span's, in ns
+    span.add_event("first_token")
+    if start:
+        span.set_attribute("gen_ai.server.time_to_first_token", (time.time_ns() - start) / 1e9)
+
+
+def _end_generate_span(span: Span, record: AuditRecord) -> None:
+    span.set_attributes({
+        "gen_ai.usage.output_tokens": record.completion_tokens,
+        "gen_ai.response.finish_reasons": [record.finish_reasons[i]
+                                           for i in sorted(record.finish_reasons)],
+        "rpc.grpc.status_code": record.status})
+    if record.status != "OK":
+        span.set_status(Status(StatusCode.ERROR, record.status))
+    span.end()
 
 
 def _code_name(context: grpc.aio.ServicerContext) -> str:

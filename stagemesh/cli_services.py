@@ -273,6 +273,10 @@ def _add_router(commands: SubParsers) -> None:
                    help="serve Prometheus metrics (every front's and the engine core's) at "
                         "http://HOST:PORT/metrics (0: any free port; default: none) "
                         "[$STAGEMESH_ROUTER_METRICS_PORT]")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. "
+                        "http://127.0.0.1:4317; default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+                        "or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
     _add_router_args(p)
     add_server_tls_args(p)
     add_stage_token_arg(p, "presented on every call to the stages")
@@ -304,6 +308,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
                              if s.strip()),
         standby_grace_s=args.standby_grace,
         metrics_port=getattr(args, "metrics_port", None),
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
     )
 
 
@@ -336,6 +341,10 @@ def _add_serve(commands: SubParsers) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--host", default="127.0.0.1", help="router address")
     p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="the router's and the gateway's OpenTelemetry traces go to this "
+                        "OTLP/gRPC collector (default: the standard OTEL_ environment, "
+                        "which the children inherit)")
     p.add_argument("--no-metrics", action="store_true",
                    help="no Prometheus endpoints on the router and the stages (default: each "
                         "serves one on a free port, printed when the mesh is ready; the "
@@ -385,6 +394,10 @@ def _add_gateway(commands: SubParsers) -> None:
                         "(default: the model store's copy of the served model)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="deadline in seconds for each router call (beyond: 504)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. "
+                        "http://127.0.0.1:4317; default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+                        "or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
     p.add_argument("--router-connections", type=_at_least_one, default=1, metavar="N",
                    help="TCP connections to the router, each request on the one with the "
                         "fewest calls in flight (ties in turn); set it to the router's "
@@ -405,7 +418,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             router_api_key=args.router_api_key, router_tls=client_tls_of(args, "router"),
             max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
             tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout,
-            router_connections=args.router_connections)
+            router_connections=args.router_connections,
+            otlp_traces_endpoint=args.otlp_traces_endpoint)
     except (OSError, ValueError) as e:
         raise SystemExit(f"stagemesh gateway: {e}") from None
 

@@ -198,6 +198,9 @@ def build_children(args: argparse.Namespace, workdir: Path,
         router += ["--standby-stages", ",".join(standby_addresses)]
     router_metrics, router_metrics_url = metrics(args.host)
     router += router_metrics
+    traces = ([f"--otlp-traces-endpoint={args.otlp_traces_endpoint}"]
+              if args.otlp_traces_endpoint else [])
+    router += traces
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:
@@ -217,7 +220,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
     if args.gateway_port:
         gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
                    "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway"),
-                   "--tokenizer", model, "--router-connections", str(args.api_processes)]
+                   "--tokenizer", model, "--router-connections", str(args.api_processes),
+                   *traces]
         gateway_env = {**key_env, "STAGEMESH_ROUTER_API_KEY": keys[0]} if keys else {}
         children.append(Child("gateway", gateway, workdir / "gateway", restart=True,
                               env=gateway_env,

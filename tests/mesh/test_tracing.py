@@ -1,0 +1,123 @@
+"""OpenTelemetry traces from a real mesh to an OTLP collector started here (the OTLP trace
+service of the OpenTelemetry proto package, on loopback): a request that carries a W3C
+`traceparent` yields one connected trace, the client's span the parent of the gateway's,
+the gateway's the parent of the router's, with the GenAI attributes on the router's."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import httpx2 as httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from foundation.ports import free_port
+from router.client import build_request
+from tests.mesh.harness import Mesh
+
+pytestmark = pytest.mark.slow
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """Keeps every exported span with the name of the service that sent it."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, trace_pb2.Span]] = []
+
+    def Export(self, request: Any, context: Any) -> Any:
+        for resource_spans in request.resource_spans:
+            service = next(a.value.string_value for a in resource_spans.resource.attributes
+                           if a.key == "service.name")
+            for scope in resource_spans.scope_spans:
+                self.spans.extend((service, span) for span in scope.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def trace(self, trace_id: bytes, services: set[str], timeout: float = 30
+              ) -> dict[str, trace_pb2.Span]:
+        """The spans of `trace_id` by service, once every one of `services` sent one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {service: span for service, span in self.spans
+                     if span.trace_id == trace_id}
+            if services <= set(found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
+
+
+def _attrs(span: trace_pb2.Span) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a in span.attributes:
+        kind = a.value.WhichOneof("value")
+        value = getattr(a.value, kind)
+        out[a.key] = [getattr(v, v.WhichOneof("value")) for v in value.values] \
+            if kind == "array_value" else value
+    return out
+
+
+@pytest.fixture(scope="module")
+def traced() -> Iterator[tuple[Mesh, Collector]]:
+    collector = Collector()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5
+        with Mesh("--stages", "2", "--num-blocks", "256", "--otlp-traces-endpoint",
+                  f"http://127.0.0.1:{port}", gateway_port=free_port()) as mesh:
+            yield mesh, collector
+    server.stop(0)
+
+
+def _traceparent() -> tuple[bytes, bytes, str]:
+    trace_id, span_id = secrets.token_bytes(16), secrets.token_bytes(8)
+    return trace_id, span_id, f"00-{trace_id.hex()}-{span_id.hex()}-01"
+
+
+def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, Collector]) -> None:
+    mesh, collector = traced
+    trace_id, client_span, header = _traceparent()
+    assert mesh.gateway_url is not None
+    reply = httpx.post(mesh.gateway_url + "/v1/completions", timeout=60,
+                       headers={"traceparent": header},
+                       json={"prompt": "Hello there", "max_tokens": 4, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    spans = collector.trace(trace_id, {"stagemesh-gateway", "stagemesh-router"})
+    gateway, router = spans.get("stagemesh-gateway"), spans.get("stagemesh-router")
+    assert gateway is not None and router is not None, collector.spans
+    assert gateway.parent_span_id == client_span
+    assert router.parent_span_id == gateway.span_id
+    assert gateway.name == "POST /v1/completions"
+    assert gateway.kind == router.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    assert _attrs(gateway)["http.response.status_code"] == 200
+    attrs = _attrs(router)
+    model = reply.json()["model"]
+    assert router.name == f"text_completion {model}"
+    assert attrs["gen_ai.request.model"] == model
+    assert attrs["gen_ai.operation.name"] == "text_completion"
+    assert attrs["gen_ai.request.max_tokens"] == 4
+    assert attrs["gen_ai.usage.input_tokens"] == reply.json()["usage"]["prompt_tokens"]
+    assert attrs["gen_ai.usage.output_tokens"] == 4
+    assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+    assert 0 < attrs["gen_ai.server.time_to_first_token"] < 60
+    assert [e.name for e in router.events] == ["first_token"]
+    assert router.start_time_unix_nano >= gateway.start_time_unix_nano
+    assert router.end_time_unix_nano <= gateway.end_time_unix_nano
+
+
+def test_a_grpc_caller_traceparent_is_the_router_span_parent(
+        traced: tuple[Mesh, Collector]) -> None:
+    mesh, collector = traced
+    trace_id, client_span, header = _traceparent()
+    chunks = list(mesh.stub().Generate(build_request("Hi", max_tokens=2, ignore_eos=True),
+                                       metadata=[("traceparent", header)], timeout=60))
+    assert chunks
+    router = collector.trace(trace_id, {"stagemesh-router"}).get("stagemesh-router")
+    assert router is not None and router.parent_span_id == client_span
+    assert _attrs(router)["gen_ai.usage.output_tokens"] == 2
