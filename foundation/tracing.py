@@ -91,6 +91,13 @@ def context_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None
     return _PROPAGATOR.extract(list(metadata or ()), getter=_PairsGetter())
 
 
+def traceparent_of(span: trace.Span) -> str:
+    """The W3C `traceparent` that makes `span` the parent ("" for a span not recorded)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
 def current_metadata() -> list[tuple[str, str]]:
     """gRPC metadata that carries the current span's context to the callee ([] without a
     span: then nothing is added to a call)."""

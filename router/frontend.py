@@ -118,8 +118,10 @@ class Frontend:
 
     # --- requests --------------------------------------------------------------------------
 
-    def submit(self, req: GenerateRequest) -> AsyncIterator[list[StreamItem]]:
+    def submit(self, req: GenerateRequest, traceparent: str = ""
+               ) -> AsyncIterator[list[StreamItem]]:
         """Send `req` to the core; the stream yields its items, coalesced per wake-up.
+        `traceparent`: the request's trace context when it is traced (see `AddRequest`).
 
         Raises DuplicateRequestError when a live request of this front has the same
         request_id. The core's refusals (among them a request_id live on another front) and
@@ -144,7 +146,7 @@ class Frontend:
             self.seq_owner[seq] = state
         self.endpoint.send(AddRequest(req.request_id, seq_ids, list(req.prompt_token_ids),
                                       sampling, req.priority, req.max_tokens,
-                                      sorted(stop_ids)))
+                                      sorted(stop_ids), traceparent))
         return self._stream(state)
 
     async def _stream(self, state: RequestState) -> AsyncIterator[list[StreamItem]]:

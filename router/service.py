@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from foundation.tokenizer import ModelTokenizer
-from foundation.tracing import context_from_metadata, tracer
+from foundation.tracing import context_from_metadata, traceparent_of, tracer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from router.audit import AuditLog, AuditRecord, key_id
@@ -96,7 +96,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if audit.content:
                 record.prompt = self.tokenizer.decode(req.prompt_token_ids,
                                                       skip_special_tokens=False)
-            async for items in self.front.submit(req):
+            async for items in self.front.submit(
+                    req, traceparent_of(span) if span is not None else ""):
                 for item in items:
                     if isinstance(item, ChoiceDelta):
                         if first_token and item.token_ids and span is not None:

@@ -41,6 +41,8 @@ class StageConfig:
         tp_init_port: rendezvous port of the TP group on 127.0.0.1 (0 picks one).
         metrics_port: serve Prometheus metrics at http://host:port/metrics (0 picks one);
             None serves none.
+        otlp_traces_endpoint: where OpenTelemetry spans go (`foundation.tracing`); None =
+            the standard environment's, else no tracing.
         step_timeout_s: longest wait for a step's activations from upstream.
         enforce_eager: never replay CUDA graphs for decode steps (debugging, A/B runs).
         activation_compression: the form of the activations this stage sends downstream:
@@ -88,6 +90,7 @@ class StageConfig:
     dataplane_tls_ca: str = ""
     standby: bool = False
     metrics_port: int | None = None
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage_index < self.num_stages:

@@ -41,7 +41,8 @@ def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
         for s in msg.new_seqs
     )
     return StagePlan(msg.step_id, new, cached_from_proto(msg.step_id, msg.cached_batch),
-                     tuple(msg.free_seq_ids), tuple((c.src, c.dst) for c in msg.block_copies))
+                     tuple(msg.free_seq_ids), tuple((c.src, c.dst) for c in msg.block_copies),
+                     msg.traceparent)
 
 
 def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq, ...]:

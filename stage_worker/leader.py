@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from foundation.tracing import context_from_headers, tracer
 from stage_worker import tp_fanout
 from stage_worker.dataplane import DataPlaneConfig, TransportKind
 from stage_worker.dataplane.compression import (
@@ -128,7 +129,8 @@ class StageLeader:
             LinkNotReadyError, TransportError, ActivationMismatchError: the upstream
                 activations did not come as planned (no other rank saw the plan).
         """
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
+        sent: tuple[str, float] | None = None
         rank = self.rank
         rank.check(plan)
         fed = self._run_ahead_inputs(plan)
@@ -144,14 +146,17 @@ class StageLeader:
                 out = torch.empty(0, rank.shape.hidden_size, dtype=rank.shape.dtype)
             sending = time.perf_counter()
             self.links.send(plan.step_id, compress(out, self.compression))
+            kind = self.links.downstream_kind
+            sent = (kind.value if kind else "", time.perf_counter() - sending)
             if self.metrics is not None:
-                kind = self.links.downstream_kind
-                self.metrics.sent(kind.value if kind else "", time.perf_counter() - sending)
+                self.metrics.sent(*sent)
             outcome = self._outcome(plan.step_id)
         busy = time.perf_counter() - started - waited
         self.window.add(waited, busy)
         if self.metrics is not None:
             self.metrics.step(plan.num_tokens, waited, busy)
+        if plan.traceparent:
+            self._trace_step(plan, started_ns, waited, busy, sent)
         return outcome
 
     def step_overlapped(self, plan: StagePlan, deliver: Callable[[StageOutcome], None],
@@ -164,7 +169,7 @@ class StageLeader:
         otherwise it is resolved and delivered now. Outcomes are delivered in step order;
         an error raised here is `plan`'s (the pending step is delivered first).
         """
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         pending, self._pending = self._pending, None
         self.steps_overlapped += pending is not None
         try:
@@ -184,6 +189,30 @@ class StageLeader:
         self.window.add(0.0, busy)
         if self.metrics is not None:
             self.metrics.step(plan.num_tokens, 0.0, busy)
+        if plan.traceparent:
+            self._trace_step(plan, started_ns, 0.0, busy, None)
+
+    def _trace_step(self, plan: StagePlan, started_ns: int, waited: float, busy: float,
+                    sent: tuple[str, float] | None) -> None:
+        """A traced request's step (its first prefill chunk) as a span of its trace: when the
+        step began and ended on this stage, its wait for input, and its hop."""
+        t = tracer()
+        if t is None:
+            return
+        layers = self.rank.shape.layers
+        attributes: dict[str, str | int | float] = {
+            "stagemesh.step.id": plan.step_id, "stagemesh.step.tokens": plan.num_tokens,
+            "stagemesh.step.sequences": plan.num_seqs,
+            "stagemesh.stage.layers": f"{layers.start}-{layers.end - 1}",
+            "stagemesh.stage.input_wait_ms": waited * 1e3,
+            "stagemesh.stage.step_ms": busy * 1e3}
+        if sent is not None:
+            attributes["stagemesh.hop.transport"] = sent[0]
+            attributes["stagemesh.hop.send_ms"] = sent[1] * 1e3
+        span = t.start_span(f"stage step (layers {layers.start}-{layers.end - 1})",
+                            context_from_headers({"traceparent": plan.traceparent}),
+                            attributes=attributes, start_time=started_ns)
+        span.end(end_time=started_ns + int((waited + busy) * 1e9))
 
     def flush(self, deliver: Callable[[StageOutcome], None]) -> None:
         """Resolve and deliver the step `step_overlapped` left pending, if any."""

@@ -20,6 +20,7 @@ from foundation.grpc_auth import BearerInterceptor
 from foundation.metrics import serve_metrics
 from foundation.ports import free_port
 from foundation.tls import ListenError, ServerTls, add_port
+from foundation.tracing import setup_tracing
 from kernels.platform import distributed_backend
 from protos.stagemesh.stage.v1 import stage_pb2, stage_pb2_grpc
 from stage_worker.build import build_stage_rank, rank_device
@@ -199,6 +200,8 @@ def run_stage(cfg: StageConfig, ready_file: Path | None = None,
               tls: ServerTls | None = None, stage_token: str = "") -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"[stage {cfg.stage_index}] %(message)s", stream=sys.stderr)
+    if setup_tracing("stagemesh-stage", cfg.otlp_traces_endpoint) is not None:
+        log.info("tracing: OpenTelemetry spans over OTLP")
     try:
         import uvloop
 

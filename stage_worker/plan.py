@@ -59,6 +59,7 @@ class StagePlan:
     cached_seqs: tuple[StageCachedSeq, ...]
     free_seq_ids: tuple[int, ...]
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst), applied before the step
+    traceparent: str = ""  # a traced request's trace context: the step is a span of it
 
     @cached_property
     def num_tokens(self) -> int:

@@ -104,6 +104,9 @@ def _add_stage(commands: SubParsers) -> None:
                    "router's name for this stage when bound to a wildcard) "
                    "[$STAGEMESH_DATAPLANE_ADVERTISE]")
     p.add_argument("--step-timeout", type=float, default=60.0)
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry spans of traced requests' steps to this OTLP/gRPC "
+                        "collector (default: the standard OTEL_ environment, else none)")
     p.add_argument("--metrics-port", type=int, default=_env_int("STAGEMESH_STAGE_METRICS_PORT"),
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free "
                         "port; default: none) [$STAGEMESH_STAGE_METRICS_PORT]")
@@ -199,6 +202,7 @@ def _stage(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
         transport=args.transport, dataplane_tls_cert=tls_cert, dataplane_tls_key=tls_key,
         dataplane_tls_ca=tls_ca, standby=args.standby, metrics_port=args.metrics_port,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     return run_stage(cfg, args.ready_file, server_tls_of(args), stage_token_of(args))
 
@@ -342,9 +346,9 @@ def _add_serve(commands: SubParsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="router address")
     p.add_argument("--port", type=int, default=50051, help="router port")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="the router's and the gateway's OpenTelemetry traces go to this "
-                        "OTLP/gRPC collector (default: the standard OTEL_ environment, "
-                        "which the children inherit)")
+                   help="the gateway's, the router's and the stages' OpenTelemetry traces "
+                        "go to this OTLP/gRPC collector (default: the standard OTEL_ "
+                        "environment, which the children inherit)")
     p.add_argument("--no-metrics", action="store_true",
                    help="no Prometheus endpoints on the router and the stages (default: each "
                         "serves one on a free port, printed when the mesh is ready; the "

@@ -159,10 +159,13 @@ def build_children(args: argparse.Namespace, workdir: Path,
         port = free_port()
         return ["--metrics-port", str(port)], f"http://{host}:{port}/metrics"
 
+    traces = ([f"--otlp-traces-endpoint={args.otlp_traces_endpoint}"]
+              if args.otlp_traces_endpoint else [])
     for i, device in enumerate(devices):
         port = free_port()
         stage_addresses.append(f"127.0.0.1:{port}")
         flags, url = metrics("127.0.0.1")
+        flags += traces
         argv = [*py, "stage", "--model", model, "--stage-index", str(i), "--port", str(port),
                 "--ready-file", str(workdir / f"stage{i}"), *flags,
                 *_stage_flags(args, device, on_device(device))]
@@ -173,6 +176,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
         port = free_port()
         standby_addresses.append(f"127.0.0.1:{port}")
         flags, url = metrics("127.0.0.1")  # served once it takes a stage's place
+        flags += traces
         argv = [*py, "stage", "--model", model, "--standby", "--port", str(port),
                 "--ready-file", str(workdir / f"standby{j}"), *flags,
                 *_stage_flags(args, device, on_device(device))]
@@ -197,10 +201,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
     if standby_addresses:
         router += ["--standby-stages", ",".join(standby_addresses)]
     router_metrics, router_metrics_url = metrics(args.host)
-    router += router_metrics
-    traces = ([f"--otlp-traces-endpoint={args.otlp_traces_endpoint}"]
-              if args.otlp_traces_endpoint else [])
-    router += traces
+    router += [*router_metrics, *traces]
     if args.model_name:
         router += ["--model-name", args.model_name]
     if args.no_prefix_caching:

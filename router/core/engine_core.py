@@ -102,6 +102,8 @@ class EngineCore:
         self._wake = asyncio.Event()
         self.stopped = asyncio.Event()  # a front said Shutdown
         self._sent_at: dict[int, float] = {}
+        # traced requests not yet planned: first seq id -> traceparent (see AddRequest)
+        self._traced: dict[int, str] = {}
         self._down_since: float | None = None
         self._down_reason = ""  # why the pipeline is down: the failure, then the last retry
         self._was_ready = False
@@ -188,6 +190,7 @@ class EngineCore:
         self._cached.pop(front, None)
         seq_ids = self.ledger.abort_all(front)
         for seq_id in seq_ids:
+            self._traced.pop(seq_id, None)
             if self.scheduler is not None:
                 self.scheduler.abort(seq_id)
         log.log(logging.WARNING if seq_ids else logging.INFO,
@@ -220,6 +223,8 @@ class EngineCore:
         except SchedulerError as e:
             self.sink.send(front, Refused(msg.seq_ids, "invalid_argument", str(e)))
             return
+        if msg.traceparent:
+            self._traced[msg.seq_ids[0]] = msg.traceparent
         self.ledger.add(msg.request_id, msg.seq_ids, msg.max_tokens,
                         frozenset(msg.stop_token_ids),
                         [params.logprobs is not None for params in msg.sampling])
@@ -228,6 +233,7 @@ class EngineCore:
         reason = FinishReason(msg.reason)
         aborted = reason is FinishReason.ABORT
         for seq_id in msg.seq_ids:
+            self._traced.pop(seq_id, None)
             if self.ledger.end(seq_id, aborted) is not None and self.scheduler is not None:
                 self.scheduler.finish(seq_id, reason)
 
@@ -255,7 +261,17 @@ class EngineCore:
                 if not plans:
                     break
                 self.steps += len(plans)
-                await self.pipeline.send(plans)
+                await self.pipeline.send(plans, self._traces_of(plans) if self._traced else None)
+
+    def _traces_of(self, plans: list[StepPlan]) -> dict[int, str]:
+        """Step id -> traceparent for the steps that carry a traced request's first prefill
+        chunk (the stages record those steps as spans of its trace)."""
+        traces: dict[int, str] = {}
+        for plan in plans:
+            for seq in plan.new_seqs:
+                if (parent := self._traced.pop(seq.seq_id, None)) is not None:
+                    traces.setdefault(plan.step_id, parent)
+        return traces
 
     @staticmethod
     def _room(scheduler: Scheduler) -> bool:
@@ -365,6 +381,7 @@ class EngineCore:
 
     def _fail_all(self, message: str) -> None:
         log.error("%s; failing %d sequence(s)", message, len(self.ledger))
+        self._traced.clear()
         by_front: dict[int, list[int]] = {}
         assert self.scheduler is not None
         for seq_id in self.ledger.abort_all():

@@ -49,7 +49,9 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     already has (`Refused` with status "already_exists"). stop_token_ids: tokens that end a
     choice (EOS included unless the request ignores it); max_tokens: tokens a choice may
     generate. The core applies both, so no token is planned past them; stop strings are the
-    front's (it reports them with `FinishSeqs`).
+    front's (it reports them with `FinishSeqs`). traceparent: the W3C trace context of the
+    request's span when it is traced ("" otherwise): the step of its first prefill chunk is
+    recorded by the stages under it.
     """
 
     request_id: str
@@ -59,6 +61,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     priority: int
     max_tokens: int
     stop_token_ids: list[int]
+    traceparent: str = ""
 
 
 class FinishSeqs(msgspec.Struct, tag=True, array_like=True):

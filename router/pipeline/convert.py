@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 
 from foundation.sampling_params import SamplingParams
@@ -35,18 +35,23 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def plans_to_protos(plans: Sequence[StepPlan], num_stages: int) -> list[pb.StepPlans]:
+def plans_to_protos(plans: Sequence[StepPlan], num_stages: int,
+                    traces: Mapping[int, str] | None = None) -> list[pb.StepPlans]:
     """One message per stage carrying every plan of `plans` (consecutive steps, oldest
     first), in pipeline order (the same object where two stages read the same fields): token
-    ids and sampling settings travel to the first and the last stage."""
-    full = pb.StepPlans(plans=[_plan_to_proto(p, with_tokens=True) for p in plans])
+    ids and sampling settings travel to the first and the last stage. `traces`: step id ->
+    the traceparent the stages record that step under."""
+    traces = traces or {}
+    full = pb.StepPlans(plans=[_plan_to_proto(p, True, traces.get(p.step_id, ""))
+                               for p in plans])
     if num_stages <= 2:
         return [full] * num_stages
-    lean = pb.StepPlans(plans=[_plan_to_proto(p, with_tokens=False) for p in plans])
+    lean = pb.StepPlans(plans=[_plan_to_proto(p, False, traces.get(p.step_id, ""))
+                               for p in plans])
     return [full, *[lean] * (num_stages - 2), full]
 
 
-def _plan_to_proto(plan: StepPlan, with_tokens: bool) -> pb.StepPlan:
+def _plan_to_proto(plan: StepPlan, with_tokens: bool, traceparent: str = "") -> pb.StepPlan:
     new = [
         pb.NewSequence(
             seq_id=s.seq_id, token_ids=s.token_ids if with_tokens else (),
@@ -60,7 +65,8 @@ def _plan_to_proto(plan: StepPlan, with_tokens: bool) -> pb.StepPlan:
     copies = [pb.BlockCopy(src=c.src_block_id, dst=c.dst_block_id) for c in plan.block_copies]
     return pb.StepPlan(step_id=plan.step_id, new_seqs=new,
                        cached_batch=cached_batch_to_proto(plan.cached_seqs, with_tokens),
-                       free_seq_ids=plan.freed_seq_ids, block_copies=copies)
+                       free_seq_ids=plan.freed_seq_ids, block_copies=copies,
+                       traceparent=traceparent)
 
 
 def cached_batch_to_proto(cached: Sequence[CachedSeq], with_tokens: bool) -> pb.CachedBatch:

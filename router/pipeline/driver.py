@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from itertools import pairwise
 
@@ -266,12 +266,14 @@ class Pipeline:
         address = await down.listen(self.epoch, token, timeout, transport=kind)
         await up.connect(self.epoch, token, address, timeout, transport=kind)
 
-    async def send(self, plans: Sequence[StepPlan]) -> None:
+    async def send(self, plans: Sequence[StepPlan],
+                   traces: Mapping[int, str] | None = None) -> None:
         """Write plans of consecutive steps (oldest first) to every stage's stream, one
-        message per stage; a broken stream marks the pipeline down."""
+        message per stage; a broken stream marks the pipeline down. `traces`: step id ->
+        the traceparent under which the stages record that step."""
         if self.state is not PipelineState.READY:
             raise PipelineError("pipeline is not ready")
-        messages = plans_to_protos(plans, len(self.stages))
+        messages = plans_to_protos(plans, len(self.stages), traces)
         self._due.extend(plan.step_id for plan in plans)
         try:
             await asyncio.gather(*(stage.write(msg)

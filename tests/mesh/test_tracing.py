@@ -1,7 +1,9 @@
 """OpenTelemetry traces from a real mesh to an OTLP collector started here (the OTLP trace
 service of the OpenTelemetry proto package, on loopback): a request that carries a W3C
-`traceparent` yields one connected trace, the client's span the parent of the gateway's,
-the gateway's the parent of the router's, with the GenAI attributes on the router's."""
+`traceparent` yields one connected trace across the gateway, the router and every stage:
+the client's span the parent of the gateway's, the gateway's the parent of the router's
+(with the GenAI attributes), the router's the parent of each stage's span of the step that
+computed the request's prompt."""
 
 from __future__ import annotations
 
@@ -38,14 +40,17 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                 self.spans.extend((service, span) for span in scope.spans)
         return trace_service_pb2.ExportTraceServiceResponse()
 
-    def trace(self, trace_id: bytes, services: set[str], timeout: float = 30
-              ) -> dict[str, trace_pb2.Span]:
-        """The spans of `trace_id` by service, once every one of `services` sent one."""
+    def trace(self, trace_id: bytes, want: dict[str, int], timeout: float = 30
+              ) -> dict[str, list[trace_pb2.Span]]:
+        """The spans of `trace_id` by service, once each service of `want` sent as many."""
         deadline = time.monotonic() + timeout
         while True:
-            found = {service: span for service, span in self.spans
-                     if span.trace_id == trace_id}
-            if services <= set(found) or time.monotonic() > deadline:
+            found: dict[str, list[trace_pb2.Span]] = {}
+            for service, span in list(self.spans):
+                if span.trace_id == trace_id:
+                    found.setdefault(service, []).append(span)
+            if all(len(found.get(s, ())) >= n for s, n in want.items()) \
+                    or time.monotonic() > deadline:
                 return found
             time.sleep(0.1)
 
@@ -88,9 +93,11 @@ def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, Collector])
                        headers={"traceparent": header},
                        json={"prompt": "Hello there", "max_tokens": 4, "ignore_eos": True})
     assert reply.status_code == 200, reply.text
-    spans = collector.trace(trace_id, {"stagemesh-gateway", "stagemesh-router"})
-    gateway, router = spans.get("stagemesh-gateway"), spans.get("stagemesh-router")
-    assert gateway is not None and router is not None, collector.spans
+    spans = collector.trace(trace_id, {"stagemesh-gateway": 1, "stagemesh-router": 1,
+                                       "stagemesh-stage": 2})
+    assert [len(spans.get(s, ())) for s in ("stagemesh-gateway", "stagemesh-router",
+                                            "stagemesh-stage")] == [1, 1, 2], spans
+    (gateway,), (router,) = spans["stagemesh-gateway"], spans["stagemesh-router"]
     assert gateway.parent_span_id == client_span
     assert router.parent_span_id == gateway.span_id
     assert gateway.name == "POST /v1/completions"
@@ -109,6 +116,20 @@ def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, Collector])
     assert [e.name for e in router.events] == ["first_token"]
     assert router.start_time_unix_nano >= gateway.start_time_unix_nano
     assert router.end_time_unix_nano <= gateway.end_time_unix_nano
+    # each stage's span of the step that computed the prompt, in pipeline order
+    first, second = sorted(spans["stagemesh-stage"],
+                           key=lambda s: _attrs(s)["stagemesh.stage.layers"] != "0-14")
+    for span, layers in ((first, "0-14"), (second, "15-29")):
+        a = _attrs(span)
+        assert span.parent_span_id == router.span_id
+        assert a["stagemesh.stage.layers"] == layers
+        assert a["stagemesh.step.tokens"] == attrs["gen_ai.usage.input_tokens"]
+        assert a["stagemesh.step.id"] == _attrs(first)["stagemesh.step.id"]
+        assert router.start_time_unix_nano <= span.start_time_unix_nano \
+            <= span.end_time_unix_nano <= router.end_time_unix_nano
+    assert _attrs(first)["stagemesh.hop.transport"] == "tcp"
+    assert "stagemesh.hop.transport" not in _attrs(second)  # the last stage samples
+    assert _attrs(second)["stagemesh.stage.input_wait_ms"] > 0  # it waited for stage 0
 
 
 def test_a_grpc_caller_traceparent_is_the_router_span_parent(
@@ -118,6 +139,6 @@ def test_a_grpc_caller_traceparent_is_the_router_span_parent(
     chunks = list(mesh.stub().Generate(build_request("Hi", max_tokens=2, ignore_eos=True),
                                        metadata=[("traceparent", header)], timeout=60))
     assert chunks
-    router = collector.trace(trace_id, {"stagemesh-router"}).get("stagemesh-router")
+    (router,) = collector.trace(trace_id, {"stagemesh-router": 1}).get("stagemesh-router", [None])
     assert router is not None and router.parent_span_id == client_span
     assert _attrs(router)["gen_ai.usage.output_tokens"] == 2
