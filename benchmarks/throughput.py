@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import multiprocessing
 import random
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.otlp_sink import OtlpSink
 from benchmarks.report import (
     git_revision,
     hop_transports,
@@ -109,6 +111,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=1,
                     help="client processes sharing the requests, each on its own connection "
                          "(use with --extra '--api-processes N')")
+    ap.add_argument("--traces", default="off", choices=("off", "on", "both"),
+                    help="OpenTelemetry tracing of every request (gateway off: router and "
+                         "stages) exported to an OTLP sink in this process; both: each stage "
+                         "count twice, off then on, for the overhead in one run")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/throughput-{dt.date.today()}.json"))
     args = ap.parse_args()
@@ -119,23 +125,33 @@ def main() -> None:
     config |= {"tp": 1, "revision": git_revision()}  # each row: the hops' transports
     print(config, flush=True)
     rows = []
+    tracing = {"off": (False,), "on": (True,), "both": (False, True)}[args.traces]
     for p in (int(x) for x in args.stages.split(",")):
-        flags = ["--model", args.model, "--stages", str(p), "--device", args.device,
-                 "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 *args.extra.split()]
-        with Mesh(*flags, timeout=900) as mesh:
-            rows.append({"stages": p, "hop_transports": hop_transports(mesh.address),
-                         **run(mesh.address, prompts, args.output_len, args.clients),
-                         # the last 10 s of the run (it has just ended)
-                         "stage_figures": stage_figures(mesh.address)})
-        print(rows[-1], flush=True)
-    for r in rows:
-        r["vs_1_stage"] = r["output_tok_s"] / rows[0]["output_tok_s"]
+        for traced in tracing:
+            flags = ["--model", args.model, "--stages", str(p), "--device", args.device,
+                     "--max-num-seqs", str(args.max_num_seqs),
+                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                     *args.extra.split()]
+            with contextlib.ExitStack() as stack:
+                sink = stack.enter_context(OtlpSink()) if traced else None
+                if sink is not None:
+                    flags += ["--otlp-traces-endpoint", sink.endpoint]
+                with Mesh(*flags, timeout=900) as mesh:
+                    rows.append({"stages": p, "traces": traced,
+                                 "hop_transports": hop_transports(mesh.address),
+                                 **run(mesh.address, prompts, args.output_len, args.clients),
+                                 # the last 10 s of the run (it has just ended)
+                                 "stage_figures": stage_figures(mesh.address)})
+                if sink is not None:
+                    rows[-1]["spans_exported"] = dict(sink.spans)
+            print(rows[-1], flush=True)
+    for r in rows:  # against the first depth, tracing as in this row
+        base = next(b for b in rows if b.get("traces") == r.get("traces"))
+        r["vs_1_stage"] = r["output_tok_s"] / base["output_tok_s"]
     write_json(args.out, config, rows)
     print_table([{k: v for k, v in r.items() if k != "stage_figures"} for r in rows])
     png = args.out.with_suffix(".png")
-    if plot_throughput(rows, png, config):
+    if plot_throughput([r for r in rows if not r.get("traces")] or rows, png, config):
         print(f"wrote {png}")
 
 
