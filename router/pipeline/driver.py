@@ -46,6 +46,7 @@ from router.scheduler import StepPlan
 
 log = logging.getLogger("stagemesh.router")
 
+START_RETRY_S = 0.5  # between attempts of `Pipeline.start` to bring the stages up
 # What a stage answers a Connect whose CUDA IPC link cannot be made on its side (no shared
 # GPU memory between the two processes, the peer's handles refused): with "auto", that hop
 # is linked over TCP instead. Any other failure is the pipeline's (start() retries).
@@ -131,14 +132,16 @@ class Pipeline:
             try:
                 return await self._start_once()
             except (grpc.aio.AioRpcError, PipelineError) as e:
-                if time.monotonic() >= deadline:
+                # No attempt starts that the budget would cut short: its calls would time out
+                # and hide this error (the reason) behind a timeout of the budget's own end.
+                if time.monotonic() + START_RETRY_S >= deadline:
                     raise PipelineError(f"pipeline did not come up within {budget_s:.0f}s: "
                                         f"{describe_error(e)}") from e
                 if time.monotonic() >= next_log:  # progress, not a line per retry
                     log.info("waiting for stages (%s); %.0fs left", describe_error(e),
                              deadline - time.monotonic())
                     next_log = time.monotonic() + 10.0
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(START_RETRY_S)
 
     async def _start_once(self) -> PipelineShape:
         self._close_streams()
