@@ -7,7 +7,8 @@ environment: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT
 (`OTEL_TRACES_EXPORTER=none` turns it off again). The sampler is the SDK's, from
 `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` (default: parent-based, always on); the
 service name from `OTEL_SERVICE_NAME`, else the service's own ("stagemesh-router", ...).
-Spans go out in batches over OTLP/gRPC from a background thread. Off, `tracer()` is None
+Spans go out in batches over OTLP/gRPC from a background thread (the SDK sends what is left
+when the process exits). Off, `tracer()` is None
 and the services do no tracing work at all. docs/OBSERVABILITY.md lists the spans.
 """
 
@@ -58,14 +59,6 @@ def setup_tracing(service: str, endpoint_flag: str | None) -> trace.Tracer | Non
 def tracer() -> trace.Tracer | None:
     """This process's tracer, or None when tracing is off."""
     return _tracer
-
-
-def shutdown_tracing() -> None:
-    """Send the spans still buffered (a service calls it as it stops)."""
-    provider = trace.get_tracer_provider()
-    shutdown = getattr(provider, "shutdown", None)
-    if _tracer is not None and shutdown is not None:
-        shutdown()
 
 
 class _PairsGetter(Getter[Sequence[tuple[str, str | bytes]]]):

@@ -102,7 +102,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     if isinstance(item, ChoiceDelta):
                         if first_token and item.token_ids and span is not None:
                             first_token = False
-                            _note_first_token(span)
+                            span.add_event("first_token")
+                            span.set_attribute("gen_ai.server.time_to_first_token",
+                                               time.monotonic() - record.started)
                         await write(delta_to_proto(request_id, item))
                         if item.finish_reason is not None:
                             record.finish_reasons[item.index] = item.finish_reason.value
@@ -189,16 +191,7 @@ def _generate_span(request: pb.GenerateRequest, model: str,
         kind=SpanKind.SERVER, attributes={
             "gen_ai.operation.name": operation, "gen_ai.system": "stagemesh",
             "gen_ai.request.model": model, "rpc.system": "grpc",
-            "rpc.service": "stagemesh.v1.InferenceService", "rpc.method": "Generate"},
-        start_time=time.time_ns())
-
-
-def _note_first_token(span: Span) -> None:
-    """The first token went to the client: an event, and the time to it."""
-    start = getattr(span, "start_time", None)  # an SDK span's, in ns
-    span.add_event("first_token")
-    if start:
-        span.set_attribute("gen_ai.server.time_to_first_token", (time.time_ns() - start) / 1e9)
+            "rpc.service": "stagemesh.v1.InferenceService", "rpc.method": "Generate"})
 
 
 def _end_generate_span(span: Span, record: AuditRecord) -> None:

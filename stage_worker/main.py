@@ -86,9 +86,9 @@ def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
     return servicer
 
 
-def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> int:
+def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> None:
     """Record the stage's metrics and serve them on cfg.metrics_port (a daemon thread for
-    the life of the process); returns the bound port. Raises OSError if it cannot bind."""
+    the life of the process). Raises OSError if it cannot bind."""
     from prometheus_client import CollectorRegistry
 
     leader, identity = servicer.leader, servicer.identity
@@ -101,7 +101,6 @@ def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> int:
         kv_blocks_total=lambda: identity.num_kv_blocks, sequences=lambda: len(held.seqs))
     server = serve_metrics(registry, cfg.metrics_port or 0, cfg.host)
     log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
-    return server.port
 
 
 async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,

@@ -17,6 +17,7 @@ from typing import TypeVar
 from foundation.modelstore import ModelError, fetch_default_model, resolve_model
 from stagemesh import __version__
 from stagemesh.cli_credentials import add_client_tls_args, client_tls_of
+from stagemesh.cli_gateway import add_gateway
 from stagemesh.cli_services import add_service_commands
 
 EXIT_MODEL_ERROR = 2  # also argparse's status for bad arguments: "the input was unusable"
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fetch_model(commands)
     _add_generate(commands)
     add_service_commands(commands)
+    add_gateway(commands)
     _add_ask(commands)
     _add_status(commands)
     return parser

@@ -1,4 +1,5 @@
-"""`stagemesh stage`, `router`, `serve` and `gateway`: argument parsing only.
+"""`stagemesh stage`, `router` and `serve` (`gateway` is in `stagemesh.cli_gateway`):
+argument parsing only, and the helpers the service commands share.
 
 Each service reads its addresses from flags or, where noted, the environment, so the same
 image runs anywhere (Kubernetes sets the environment).
@@ -24,20 +25,32 @@ from stagemesh.cli_credentials import (
 )
 
 if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
     from router.config import RouterConfig
 
 SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
-def _env(name: str, default: str) -> str:
+def env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
     """An optional port from the environment (unset or empty: None)."""
     value = os.environ.get(name, "")
     return int(value) if value else None
+
+
+def add_tracing_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help=f"send OpenTelemetry traces ({what}) to this OTLP/gRPC collector, "
+                        "e.g. http://127.0.0.1:4317 (default: $OTEL_EXPORTER_OTLP_TRACES_"
+                        "ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
+
+
+def _add_metrics_port_arg(p: argparse.ArgumentParser, env: str, what: str) -> None:
+    p.add_argument("--metrics-port", type=int, default=env_int(env),
+                   help=f"serve Prometheus metrics{what} at http://HOST:PORT/metrics (0: any "
+                        f"free port; default: none) [${env}]")
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -48,7 +61,7 @@ def _layers(text: str) -> tuple[int, ...]:
             f"layers must be comma-separated counts, got {text!r}") from None
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -62,11 +75,10 @@ def add_service_commands(commands: SubParsers) -> None:
     _add_stage(commands)
     _add_router(commands)
     _add_serve(commands)
-    _add_gateway(commands)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_env("STAGEMESH_MODEL", "default"),
+    p.add_argument("--model", default=env("STAGEMESH_MODEL", "default"),
                    help="'default' (SmolLM2-135M-Instruct) or an HF-layout directory "
                         "[$STAGEMESH_MODEL]")
 
@@ -74,9 +86,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_stage(commands: SubParsers) -> None:
     p = commands.add_parser("stage", help="run one pipeline stage (its TP ranks included)")
     _add_model_args(p)
-    p.add_argument("--stage-index", type=int, default=int(_env("STAGEMESH_STAGE_INDEX", "0")),
+    p.add_argument("--stage-index", type=int, default=int(env("STAGEMESH_STAGE_INDEX", "0")),
                    help="this stage's index, 0 first [$STAGEMESH_STAGE_INDEX]")
-    p.add_argument("--num-stages", type=int, default=int(_env("STAGEMESH_NUM_STAGES", "1")),
+    p.add_argument("--num-stages", type=int, default=int(env("STAGEMESH_NUM_STAGES", "1")),
                    help="stages in the pipeline [$STAGEMESH_NUM_STAGES]")
     p.add_argument("--layers", type=_layers, default=None,
                    help="layer count per stage, e.g. 12,9,9 (default: even split)")
@@ -90,26 +102,22 @@ def _add_stage(commands: SubParsers) -> None:
                    help="this stage's share of its GPU")
     _add_model_impl_arg(p)
     _add_stage_capacity_args(p)
-    p.add_argument("--host", default=_env("STAGEMESH_STAGE_HOST", "127.0.0.1"),
+    p.add_argument("--host", default=env("STAGEMESH_STAGE_HOST", "127.0.0.1"),
                    help="control listener address [$STAGEMESH_STAGE_HOST]")
-    p.add_argument("--port", type=int, default=int(_env("STAGEMESH_STAGE_PORT", "0")))
-    p.add_argument("--dataplane-host", default=_env("STAGEMESH_DATAPLANE_HOST", ""),
+    p.add_argument("--port", type=int, default=int(env("STAGEMESH_STAGE_PORT", "0")))
+    p.add_argument("--dataplane-host", default=env("STAGEMESH_DATAPLANE_HOST", ""),
                    help="address the data-plane listener binds (default: the host the router "
                    "reaches this stage by) [$STAGEMESH_DATAPLANE_HOST]")
     p.add_argument("--dataplane-port", type=int,
-                   default=int(_env("STAGEMESH_DATAPLANE_PORT", "0")),
+                   default=int(env("STAGEMESH_DATAPLANE_PORT", "0")),
                    help="data-plane listener port (0: any free one) [$STAGEMESH_DATAPLANE_PORT]")
-    p.add_argument("--dataplane-advertise", default=_env("STAGEMESH_DATAPLANE_ADVERTISE", ""),
+    p.add_argument("--dataplane-advertise", default=env("STAGEMESH_DATAPLANE_ADVERTISE", ""),
                    help="host the upstream stage dials (default: the bound host, or the "
                    "router's name for this stage when bound to a wildcard) "
                    "[$STAGEMESH_DATAPLANE_ADVERTISE]")
     p.add_argument("--step-timeout", type=float, default=60.0)
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry spans of traced requests' steps to this OTLP/gRPC "
-                        "collector (default: the standard OTEL_ environment, else none)")
-    p.add_argument("--metrics-port", type=int, default=_env_int("STAGEMESH_STAGE_METRICS_PORT"),
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free "
-                        "port; default: none) [$STAGEMESH_STAGE_METRICS_PORT]")
+    add_tracing_arg(p, "the spans of traced requests' steps")
+    _add_metrics_port_arg(p, "STAGEMESH_STAGE_METRICS_PORT", "")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode steps")
     _add_compression_arg(p)
@@ -239,7 +247,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "finish reasons, status; never the key)")
     p.add_argument("--audit-log-content", action="store_true",
                    help="put the prompt and output text in the audit lines (off by default)")
-    p.add_argument("--api-processes", type=_at_least_one, default=1, metavar="N",
+    p.add_argument("--api-processes", type=at_least_one, default=1, metavar="N",
                    help="processes serving the public gRPC API on the router's host:port, "
                         "each a front of the one engine core (validation, tokenization, "
                         "detokenization, stop strings, streaming): the router's own and N-1 "
@@ -263,24 +271,18 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 def _add_router(commands: SubParsers) -> None:
     p = commands.add_parser("router", help="run the router (public gRPC API)")
     _add_model_args(p)
-    p.add_argument("--stages", default=_env("STAGEMESH_STAGES", ""),
+    p.add_argument("--stages", default=env("STAGEMESH_STAGES", ""),
                    help="comma-separated host:port of each stage, in order [$STAGEMESH_STAGES]")
-    p.add_argument("--standby-stages", default=_env("STAGEMESH_STANDBY_STAGES", ""),
+    p.add_argument("--standby-stages", default=env("STAGEMESH_STANDBY_STAGES", ""),
                    help="comma-separated host:port of standby stages (`stagemesh stage "
                         "--standby`): one takes the place of a stage lost for "
                         "--standby-grace seconds [$STAGEMESH_STANDBY_STAGES]")
-    p.add_argument("--host", default=_env("STAGEMESH_ROUTER_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("STAGEMESH_ROUTER_PORT", "50051")))
+    p.add_argument("--host", default=env("STAGEMESH_ROUTER_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("STAGEMESH_ROUTER_PORT", "50051")))
     p.add_argument("--ready-file", default=None)
-    p.add_argument("--metrics-port", type=int,
-                   default=_env_int("STAGEMESH_ROUTER_METRICS_PORT"),
-                   help="serve Prometheus metrics (every front's and the engine core's) at "
-                        "http://HOST:PORT/metrics (0: any free port; default: none) "
-                        "[$STAGEMESH_ROUTER_METRICS_PORT]")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. "
-                        "http://127.0.0.1:4317; default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
-                        "or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
+    _add_metrics_port_arg(p, "STAGEMESH_ROUTER_METRICS_PORT",
+                          " (every front's and the engine core's, summed)")
+    add_tracing_arg(p, "the router's spans")
     _add_router_args(p)
     add_server_tls_args(p)
     add_stage_token_arg(p, "presented on every call to the stages")
@@ -345,10 +347,7 @@ def _add_serve(commands: SubParsers) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--host", default="127.0.0.1", help="router address")
     p.add_argument("--port", type=int, default=50051, help="router port")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="the gateway's, the router's and the stages' OpenTelemetry traces "
-                        "go to this OTLP/gRPC collector (default: the standard OTEL_ "
-                        "environment, which the children inherit)")
+    add_tracing_arg(p, "the gateway's, the router's and the stages' spans")
     p.add_argument("--no-metrics", action="store_true",
                    help="no Prometheus endpoints on the router and the stages (default: each "
                         "serves one on a free port, printed when the mesh is ready; the "
@@ -369,66 +368,3 @@ def _serve(args: argparse.Namespace) -> int:
     from stagemesh.launcher import launch
 
     return launch(args, api_keys(args))
-
-
-def _add_gateway(commands: SubParsers) -> None:
-    from gateway.config import DEFAULT_MAX_BODY_BYTES
-
-    p = commands.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
-    p.add_argument("--router", default=_env("STAGEMESH_ROUTER", "127.0.0.1:50051"),
-                   help="the router's gRPC address [$STAGEMESH_ROUTER]")
-    p.add_argument("--host", default=_env("STAGEMESH_GATEWAY_HOST", "127.0.0.1"),
-                   help="HTTP listener address [$STAGEMESH_GATEWAY_HOST]")
-    p.add_argument("--port", type=int, default=int(_env("STAGEMESH_GATEWAY_PORT", "8000")),
-                   help="HTTP port, 0 = any free one [$STAGEMESH_GATEWAY_PORT]")
-    p.add_argument("--ready-file", type=Path, default=None,
-                   help="write the bound host:port here once serving")
-    add_api_key_args(p)
-    add_client_tls_args(p, "router")
-    p.add_argument("--router-api-key", default=_env("STAGEMESH_ROUTER_API_KEY", "") or None,
-                   help="key the gateway presents to the router, when the router has keys "
-                        "[$STAGEMESH_ROUTER_API_KEY]")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="largest request body (beyond: 413); default 4 MiB, the router's "
-                        "gRPC request limit")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name clients use (default: the router's)")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="model directory whose tokenizer renders logprob tokens as text "
-                        "(default: the model store's copy of the served model)")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="deadline in seconds for each router call (beyond: 504)")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry traces to this OTLP/gRPC collector (e.g. "
-                        "http://127.0.0.1:4317; default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
-                        "or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
-    p.add_argument("--router-connections", type=_at_least_one, default=1, metavar="N",
-                   help="TCP connections to the router, each request on the one with the "
-                        "fewest calls in flight (ties in turn); set it to the router's "
-                        "--api-processes, since the kernel spreads connections, not calls, "
-                        "over its front processes (default: %(default)s; `stagemesh serve` "
-                        "passes its --api-processes)")
-    p.set_defaults(handler=_gateway)
-
-
-def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    """The `stagemesh gateway` flags as a config; a bad value or an unreadable file (keys,
-    TLS) exits with one line."""
-    from gateway.config import GatewayConfig
-
-    try:
-        return GatewayConfig(
-            router=args.router, host=args.host, port=args.port, api_keys=api_keys(args),
-            router_api_key=args.router_api_key, router_tls=client_tls_of(args, "router"),
-            max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
-            tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout,
-            router_connections=args.router_connections,
-            otlp_traces_endpoint=args.otlp_traces_endpoint)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"stagemesh gateway: {e}") from None
-
-
-def _gateway(args: argparse.Namespace) -> int:
-    from gateway.server import run_gateway
-
-    return run_gateway(gateway_config(args), args.ready_file)

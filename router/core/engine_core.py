@@ -102,8 +102,6 @@ class EngineCore:
         self._wake = asyncio.Event()
         self.stopped = asyncio.Event()  # a front said Shutdown
         self._sent_at: dict[int, float] = {}
-        # traced requests not yet planned: first seq id -> traceparent (see AddRequest)
-        self._traced: dict[int, str] = {}
         self._down_since: float | None = None
         self._down_reason = ""  # why the pipeline is down: the failure, then the last retry
         self._was_ready = False
@@ -190,7 +188,6 @@ class EngineCore:
         self._cached.pop(front, None)
         seq_ids = self.ledger.abort_all(front)
         for seq_id in seq_ids:
-            self._traced.pop(seq_id, None)
             if self.scheduler is not None:
                 self.scheduler.abort(seq_id)
         log.log(logging.WARNING if seq_ids else logging.INFO,
@@ -223,17 +220,15 @@ class EngineCore:
         except SchedulerError as e:
             self.sink.send(front, Refused(msg.seq_ids, "invalid_argument", str(e)))
             return
-        if msg.traceparent:
-            self._traced[msg.seq_ids[0]] = msg.traceparent
         self.ledger.add(msg.request_id, msg.seq_ids, msg.max_tokens,
                         frozenset(msg.stop_token_ids),
-                        [params.logprobs is not None for params in msg.sampling])
+                        [params.logprobs is not None for params in msg.sampling],
+                        msg.traceparent)
 
     def _finish(self, msg: FinishSeqs) -> None:
         reason = FinishReason(msg.reason)
         aborted = reason is FinishReason.ABORT
         for seq_id in msg.seq_ids:
-            self._traced.pop(seq_id, None)
             if self.ledger.end(seq_id, aborted) is not None and self.scheduler is not None:
                 self.scheduler.finish(seq_id, reason)
 
@@ -261,17 +256,20 @@ class EngineCore:
                 if not plans:
                     break
                 self.steps += len(plans)
-                await self.pipeline.send(plans, self._traces_of(plans) if self._traced else None)
+                await self.pipeline.send(plans, self._traces_of(plans))
 
-    def _traces_of(self, plans: list[StepPlan]) -> dict[int, str]:
+    def _traces_of(self, plans: list[StepPlan]) -> dict[int, str] | None:
         """Step id -> traceparent for the steps that carry a traced request's first prefill
-        chunk (the stages record those steps as spans of its trace)."""
+        chunk (the stages record those steps as spans of its trace); None when none does."""
         traces: dict[int, str] = {}
+        live = self.ledger.rules
         for plan in plans:
             for seq in plan.new_seqs:
-                if (parent := self._traced.pop(seq.seq_id, None)) is not None:
-                    traces.setdefault(plan.step_id, parent)
-        return traces
+                rules = live.get(seq.seq_id)
+                if rules is not None and rules.request.traceparent:
+                    traces.setdefault(plan.step_id, rules.request.traceparent)
+                    rules.request.traceparent = ""  # its first chunk only
+        return traces or None
 
     @staticmethod
     def _room(scheduler: Scheduler) -> bool:
@@ -381,7 +379,6 @@ class EngineCore:
 
     def _fail_all(self, message: str) -> None:
         log.error("%s; failing %d sequence(s)", message, len(self.ledger))
-        self._traced.clear()
         by_front: dict[int, list[int]] = {}
         assert self.scheduler is not None
         for seq_id in self.ledger.abort_all():

@@ -10,14 +10,16 @@ from router.core.messages import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, front_
 
 class LiveRequest:
     """A request with at least one live sequence. aborted: one of its sequences was aborted
-    or failed, so it does not count as finished."""
+    or failed, so it does not count as finished. traceparent: its trace context while the
+    step of its first prefill chunk is not yet planned ("" once it is, or untraced)."""
 
-    __slots__ = ("aborted", "live", "request_id")
+    __slots__ = ("aborted", "live", "request_id", "traceparent")
 
-    def __init__(self, request_id: str, live: int) -> None:
+    def __init__(self, request_id: str, live: int, traceparent: str = "") -> None:
         self.request_id = request_id
         self.live = live
         self.aborted = False
+        self.traceparent = traceparent
 
 
 class SeqRules:
@@ -53,10 +55,10 @@ class Ledger:
         return request_id in self._requests
 
     def add(self, request_id: str, seq_ids: list[int], max_tokens: int,
-            stop_ids: frozenset[int], logprobs: list[bool]) -> None:
+            stop_ids: frozenset[int], logprobs: list[bool], traceparent: str = "") -> None:
         """Record an admitted request: one sequence per choice. The caller checked
         `is_live(request_id)` first."""
-        request = LiveRequest(request_id, len(seq_ids))
+        request = LiveRequest(request_id, len(seq_ids), traceparent)
         self._requests[request_id] = request
         for seq_id, wants_logprobs in zip(seq_ids, logprobs, strict=True):
             self.rules[seq_id] = SeqRules(request, max_tokens, stop_ids, wants_logprobs)

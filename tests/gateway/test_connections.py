@@ -16,7 +16,7 @@ from gateway.config import GatewayConfig
 from gateway.connections import RouterConnections
 from router.client import RouterClient
 from stagemesh.cli import build_parser
-from stagemesh.cli_services import gateway_config
+from stagemesh.cli_gateway import gateway_config
 from stagemesh.launcher import build_children
 from tests.default_model import default_model_dir
 from tests.gateway.test_app_asgi import CHUNK, FakeRouter, _app, _call

@@ -1,24 +1,22 @@
 """OpenTelemetry traces from a real mesh to an OTLP collector started here (the OTLP trace
-service of the OpenTelemetry proto package, on loopback): a request that carries a W3C
-`traceparent` yields one connected trace across the gateway, the router and every stage:
-the client's span the parent of the gateway's, the gateway's the parent of the router's
-(with the GenAI attributes), the router's the parent of each stage's span of the step that
-computed the request's prompt."""
+service of the OpenTelemetry proto package on loopback, `benchmarks.otlp_sink`): a request
+that carries a W3C `traceparent` yields one connected trace across the gateway, the router
+and every stage: the client's span the parent of the gateway's, the gateway's the parent of
+the router's (with the GenAI attributes), the router's the parent of each stage's span of
+the step that computed the request's prompt."""
 
 from __future__ import annotations
 
 import secrets
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
-import grpc
 import httpx2 as httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from benchmarks.otlp_sink import OtlpSink
 from foundation.ports import free_port
 from router.client import build_request
 from tests.mesh.harness import Mesh
@@ -26,33 +24,20 @@ from tests.mesh.harness import Mesh
 pytestmark = pytest.mark.slow
 
 
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """Keeps every exported span with the name of the service that sent it."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, trace_pb2.Span]] = []
-
-    def Export(self, request: Any, context: Any) -> Any:
-        for resource_spans in request.resource_spans:
-            service = next(a.value.string_value for a in resource_spans.resource.attributes
-                           if a.key == "service.name")
-            for scope in resource_spans.scope_spans:
-                self.spans.extend((service, span) for span in scope.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: bytes, want: dict[str, int], timeout: float = 30
-              ) -> dict[str, list[trace_pb2.Span]]:
-        """The spans of `trace_id` by service, once each service of `want` sent as many."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found: dict[str, list[trace_pb2.Span]] = {}
-            for service, span in list(self.spans):
-                if span.trace_id == trace_id:
-                    found.setdefault(service, []).append(span)
-            if all(len(found.get(s, ())) >= n for s, n in want.items()) \
-                    or time.monotonic() > deadline:
-                return found
-            time.sleep(0.1)
+def _trace(sink: OtlpSink, trace_id: bytes, want: dict[str, int], timeout: float = 30
+           ) -> dict[str, list[trace_pb2.Span]]:
+    """The spans of `trace_id` by service, once each service of `want` sent as many."""
+    assert sink.kept is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        found: dict[str, list[trace_pb2.Span]] = {}
+        for service, span in list(sink.kept):
+            if span.trace_id == trace_id:
+                found.setdefault(service, []).append(span)
+        if all(len(found.get(s, ())) >= n for s, n in want.items()) \
+                or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
 
 
 def _attrs(span: trace_pb2.Span) -> dict[str, Any]:
@@ -66,18 +51,12 @@ def _attrs(span: trace_pb2.Span) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def traced() -> Iterator[tuple[Mesh, Collector]]:
-    collector = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    with pytest.MonkeyPatch.context() as env:
+def traced() -> Iterator[tuple[Mesh, OtlpSink]]:
+    with OtlpSink(keep=True) as sink, pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, not 5
         with Mesh("--stages", "2", "--num-blocks", "256", "--otlp-traces-endpoint",
-                  f"http://127.0.0.1:{port}", gateway_port=free_port()) as mesh:
-            yield mesh, collector
-    server.stop(0)
+                  sink.endpoint, gateway_port=free_port()) as mesh:
+            yield mesh, sink
 
 
 def _traceparent() -> tuple[bytes, bytes, str]:
@@ -85,16 +64,16 @@ def _traceparent() -> tuple[bytes, bytes, str]:
     return trace_id, span_id, f"00-{trace_id.hex()}-{span_id.hex()}-01"
 
 
-def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, Collector]) -> None:
-    mesh, collector = traced
+def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, OtlpSink]) -> None:
+    mesh, sink = traced
     trace_id, client_span, header = _traceparent()
     assert mesh.gateway_url is not None
     reply = httpx.post(mesh.gateway_url + "/v1/completions", timeout=60,
                        headers={"traceparent": header},
                        json={"prompt": "Hello there", "max_tokens": 4, "ignore_eos": True})
     assert reply.status_code == 200, reply.text
-    spans = collector.trace(trace_id, {"stagemesh-gateway": 1, "stagemesh-router": 1,
-                                       "stagemesh-stage": 2})
+    spans = _trace(sink, trace_id, {"stagemesh-gateway": 1, "stagemesh-router": 1,
+                                    "stagemesh-stage": 2})
     assert [len(spans.get(s, ())) for s in ("stagemesh-gateway", "stagemesh-router",
                                             "stagemesh-stage")] == [1, 1, 2], spans
     (gateway,), (router,) = spans["stagemesh-gateway"], spans["stagemesh-router"]
@@ -133,12 +112,12 @@ def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, Collector])
 
 
 def test_a_grpc_caller_traceparent_is_the_router_span_parent(
-        traced: tuple[Mesh, Collector]) -> None:
-    mesh, collector = traced
+        traced: tuple[Mesh, OtlpSink]) -> None:
+    mesh, sink = traced
     trace_id, client_span, header = _traceparent()
     chunks = list(mesh.stub().Generate(build_request("Hi", max_tokens=2, ignore_eos=True),
                                        metadata=[("traceparent", header)], timeout=60))
     assert chunks
-    (router,) = collector.trace(trace_id, {"stagemesh-router": 1}).get("stagemesh-router", [None])
+    (router,) = _trace(sink, trace_id, {"stagemesh-router": 1}).get("stagemesh-router", [None])
     assert router is not None and router.parent_span_id == client_span
     assert _attrs(router)["gen_ai.usage.output_tokens"] == 2
