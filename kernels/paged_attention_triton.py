@@ -99,7 +99,14 @@ def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_hea
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit(do_not_specialize=["splits"])
+# Arguments that change from step to step are not specialized (Triton otherwise compiles a
+# variant per value class: == 1, divisible by 16, other): a variant first met while serving
+# stalls every sequence of that step for the compile (about 0.5 s). The block-table width and
+# the partials' strides follow the step's shape; the split count follows the batch.
+_STEP_VARYING = ["stride_bt", "stride_ps", "stride_pt", "splits"]
+
+
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def _paged_attention_kernel(
     Q, K, V, O, M_PART, L_PART, block_tables, seq_lens, query_start,
     scale,
@@ -176,7 +183,7 @@ def _paged_attention_kernel(
         tl.store(o_ptr, acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["splits"])
+@triton.jit(do_not_specialize=["stride_ps", "stride_pt", "splits"])
 def _merge_splits_kernel(ACC, M_PART, L_PART, O, stride_ps, stride_pt, stride_ph,
                          stride_ot, stride_oh, splits,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):

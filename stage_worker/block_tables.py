@@ -129,6 +129,11 @@ class BlockTables:
             self._write(index, values)
         return rows
 
+    def clear(self) -> None:
+        """Forget every row (their device entries stay until rewritten)."""
+        self._by_seq.clear()
+        self._free = list(range(self.rows - 1, -1, -1))
+
     def _claim(self, seq_id: int, step: int) -> _Row:
         if not self._free:  # full: reuse the row used longest ago (not by this step)
             victim = min(self._by_seq, key=lambda s: self._by_seq[s].last_step)

@@ -113,6 +113,8 @@ class StageRunner(ModelRunner):
                                   fill=num_blocks if graphs else -1, num_blocks=num_blocks)
         if graphs:
             self.graphs = self._capture_graphs()
+        if uses_triton_kernel(cfg.device, cfg.block_size, model_cfg.head_dim):
+            self._warm_up()
         self.use_graphs = self.graphs is not None
         log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens",
                  cfg.layers.start, cfg.layers.end - 1, time.monotonic() - started,
@@ -142,6 +144,34 @@ class StageRunner(ModelRunner):
             self.model, self.kv.layers(), self.inv_freq, self.tables,
             input_shape=() if self.is_first else (model_cfg.hidden_size,),
             dtype=cfg.dtype, device=cfg.device, max_batch=min(cfg.max_num_seqs, MAX_GRAPH_BATCH))
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run the eager step shapes once, so every kernel variant a step can launch is
+        compiled (or loaded from Triton's cache) before the first request: a variant first
+        met while serving stalls that step for the compile, half a second a kernel. The
+        steps write garbage into KV blocks no sequence owns yet; their table rows are
+        dropped afterwards. Collective under TP (every rank runs the same steps)."""
+        from kernels.paged_attention_triton import PREFILL_LAUNCH  # CUDA only
+
+        started = time.monotonic()
+        longest = min(self.cfg.max_num_batched_tokens, self.tables.max_blocks * self.cfg.block_size)
+        chunks_list = warm_up_chunks(longest, self.cfg.max_num_seqs,
+                                     self.model_cfg.num_heads // self.model_cfg.num_kv_heads,
+                                     self.cfg.block_size, self._num_blocks,
+                                     PREFILL_LAUNCH.block_m)
+        assert not self.use_graphs, "warm-up steps run eagerly, decodes too"
+        try:
+            for chunks in chunks_list:
+                tokens = sum(c.num_new for c in chunks)
+                dummy = (torch.zeros(tokens, dtype=torch.long) if self.is_first else
+                         torch.zeros(tokens, self.model_cfg.hidden_size, dtype=self.cfg.dtype))
+                self.execute(chunks, dummy)
+            torch.cuda.synchronize(self.cfg.device)
+        finally:
+            self.tables.clear()
+        log.info("warmed up %d step shapes in %.1fs", len(chunks_list),
+                 time.monotonic() - started)
 
     def _graphs_supported(self) -> bool:
         # Graphs capture the Triton attention (the reference's shapes depend on the batch).
@@ -243,3 +273,31 @@ def profile_chunks(tokens: int, max_seqs: int, block_size: int) -> list[SeqChunk
         chunks.append(SeqChunk(i, 0, length, range(next_block, next_block + blocks)))
         next_block += blocks
     return chunks
+
+
+def warm_up_chunks(max_tokens: int, max_seqs: int, group: int, block_size: int,
+                   num_blocks: int, tile_rows: int) -> list[list[SeqChunk]]:
+    """The steps `StageRunner._warm_up` runs: query lengths on both sides of the attention
+    launch's switch (a decode, a short chunk, the longest query of the decode launch, those
+    whose rows just reach a prefill tile, a full prefill), each over one sequence (few
+    programs: the key ranges split) and over as many as the step allows (no split), and a
+    mixed step. `group`: query heads per KV head; `tile_rows`: the query rows from which the
+    prefill launch is used. Every sequence reads the same blocks from 0 (the KV values do
+    not matter); shapes the pool cannot hold are left out."""
+    # A query of q tokens has q x group rows.
+    first_prefill = -(-tile_rows // group)  # the shortest query of the prefill launch
+    lengths = sorted({1, 2, max(1, first_prefill - 1), max(1, tile_rows // group),
+                      first_prefill, max_tokens})
+    steps: list[list[SeqChunk]] = []
+    for q in (q for q in lengths if q <= max_tokens):
+        for seqs in sorted({1, max(1, min(max_seqs, max_tokens // q))}):
+            computed = 2 * block_size - 1 if q == 1 else 0  # a decode reads a few blocks
+            blocks = range(-(-(computed + q) // block_size))
+            if len(blocks) <= num_blocks:
+                steps.append([SeqChunk(i, computed, q, blocks) for i in range(seqs)])
+    short = min(max_tokens - 1, tile_rows)
+    if short >= 1 and -(-(2 * block_size + short) // block_size) <= num_blocks:
+        steps.append([SeqChunk(0, 2 * block_size - 1, 1, range(2)),
+                      SeqChunk(1, block_size, short, range(-(-(block_size + short)
+                                                            // block_size)))])
+    return steps

@@ -50,6 +50,18 @@ def test_another_list_under_the_same_id_is_written_in_full() -> None:
     assert again == row
 
 
+def test_cleared_tables_rewrite_every_sequence_they_see_again() -> None:
+    """After the runner's warm-up steps: no row is kept, the same list is written again."""
+    tables = CountingTables(2, 4, 16, CPU)
+    blocks = [4, 6]
+    tables.rows_for([SeqChunk(0, 0, 20, blocks), SeqChunk(1, 0, 1, [5])])
+    tables.clear()
+    (row,) = tables.rows_for([SeqChunk(0, 20, 1, blocks)])
+    assert tables.written == 5 and table_of(tables, row, 2) == [4, 6]
+    tables.rows_for([SeqChunk(7, 0, 1, [1])])  # both rows free again: nothing reused
+    assert tables.rows_for([SeqChunk(0, 21, 1, blocks)]).tolist() == [row]
+
+
 def test_a_full_table_reuses_the_row_used_longest_ago() -> None:
     tables = BlockTables(2, 4, 16, CPU)
     a, b = [1], [2]
