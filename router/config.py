@@ -50,6 +50,9 @@ class RouterConfig:
         audit_log: one JSON line per Generate call on stderr (`router.audit`).
         otlp_traces_endpoint: where OpenTelemetry spans go (`foundation.tracing`); None =
             the standard environment's, else no tracing.
+        trace_step_interval: with tracing, every such step (by step id) that computes a
+            traced request's sequence is a span on each stage too (`router.core.request_trace`);
+            0 = only the step of each traced request's first prefill chunk.
         metrics_port: serve Prometheus metrics at http://host:port/metrics (0 picks one):
             every front's and the engine core's, summed (`router.metrics`); None = none.
         audit_log_content: put the prompt and output text in those lines (the users' data:
@@ -99,6 +102,7 @@ class RouterConfig:
     standby_grace_s: float = 5.0
     metrics_port: int | None = None
     otlp_traces_endpoint: str | None = None
+    trace_step_interval: int = 64
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -107,6 +111,8 @@ class RouterConfig:
             raise ValueError(f"engine_core must be 'process' or 'task', got {self.engine_core!r}")
         if self.api_processes < 1:
             raise ValueError(f"api_processes must be >= 1, got {self.api_processes}")
+        if self.trace_step_interval < 0:
+            raise ValueError(f"trace_step_interval must be >= 0, got {self.trace_step_interval}")
         if self.run_ahead_depth < 2:
             raise ValueError(f"run_ahead_depth must be >= 2 (one step planned on another), "
                              f"got {self.run_ahead_depth}")

@@ -58,7 +58,8 @@ def core_config(cfg: RouterConfig, input_address: str, metrics_dir: str = "") ->
         run_ahead=cfg.run_ahead, run_ahead_depth=cfg.run_ahead_depth,
         stage_token=cfg.stage_token, transport=cfg.transport,
         standby_stages=cfg.standby_stages, standby_grace_s=cfg.standby_grace_s,
-        metrics_dir=metrics_dir)
+        metrics_dir=metrics_dir, otlp_traces_endpoint=cfg.otlp_traces_endpoint,
+        trace_step_interval=cfg.trace_step_interval)
 
 
 class RouterApp:

@@ -195,6 +195,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--stream-interval", str(args.stream_interval),
               "--engine-core", args.engine_core,
               "--run-ahead-depth", str(args.run_ahead_depth),
+              "--trace-step-interval", str(args.trace_step_interval),
               "--api-processes", str(args.api_processes),
               "--transport", args.transport,
               "--standby-grace", str(args.standby_grace)]

@@ -28,6 +28,8 @@ class CoreConfig:
             "cuda_ipc"); the pipeline driver picks each hop's (`Pipeline.hop_transports`).
         standby_stages / standby_grace_s: as `RouterConfig`.
         metrics_dir: the router's multi-process metrics directory ("" = no metrics).
+        otlp_traces_endpoint / trace_step_interval: as `RouterConfig` (the core records a
+            span per traced request and names the steps the stages trace).
     """
 
     model_dir: str
@@ -50,6 +52,8 @@ class CoreConfig:
     standby_stages: tuple[str, ...] = ()
     standby_grace_s: float = 5.0
     metrics_dir: str = ""
+    otlp_traces_endpoint: str | None = None
+    trace_step_interval: int = 64
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -41,6 +41,7 @@ from router.core.messages import (
     front_of,
     pack_outputs,
 )
+from router.core.request_trace import StepTraces
 from router.metrics import CoreMetrics
 from router.pipeline import Pipeline, PipelineShape, PipelineState, StepOutcome
 from router.scheduler import (
@@ -95,6 +96,7 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.served: ServedInfo | None = None
         self.ledger = Ledger()
+        self._step_traces = StepTraces(cfg.trace_step_interval)
         self.fronts: set[int] = set()  # said hello, not gone
         self._gone_fronts: set[int] = set()
         self.steps = 0
@@ -256,20 +258,8 @@ class EngineCore:
                 if not plans:
                     break
                 self.steps += len(plans)
-                await self.pipeline.send(plans, self._traces_of(plans))
-
-    def _traces_of(self, plans: list[StepPlan]) -> dict[int, str] | None:
-        """Step id -> traceparent for the steps that carry a traced request's first prefill
-        chunk (the stages record those steps as spans of its trace); None when none does."""
-        traces: dict[int, str] = {}
-        live = self.ledger.rules
-        for plan in plans:
-            for seq in plan.new_seqs:
-                rules = live.get(seq.seq_id)
-                if rules is not None and rules.request.traceparent:
-                    traces.setdefault(plan.step_id, rules.request.traceparent)
-                    rules.request.traceparent = ""  # its first chunk only
-        return traces or None
+                await self.pipeline.send(plans, self._step_traces.of(plans, self.ledger.rules)
+                                         if self.ledger.traced else None)
 
     @staticmethod
     def _room(scheduler: Scheduler) -> bool:

@@ -6,20 +6,21 @@ Pure bookkeeping: the core tells the scheduler."""
 from __future__ import annotations
 
 from router.core.messages import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, front_of
+from router.core.request_trace import RequestTrace
 
 
 class LiveRequest:
     """A request with at least one live sequence. aborted: one of its sequences was aborted
-    or failed, so it does not count as finished. traceparent: its trace context while the
-    step of its first prefill chunk is not yet planned ("" once it is, or untraced)."""
+    or failed, so it does not count as finished. trace: the core's record of it when the
+    front traces it (`request_trace`), else None."""
 
-    __slots__ = ("aborted", "live", "request_id", "traceparent")
+    __slots__ = ("aborted", "live", "request_id", "trace")
 
-    def __init__(self, request_id: str, live: int, traceparent: str = "") -> None:
+    def __init__(self, request_id: str, live: int, trace: RequestTrace | None = None) -> None:
         self.request_id = request_id
         self.live = live
         self.aborted = False
-        self.traceparent = traceparent
+        self.trace = trace
 
 
 class SeqRules:
@@ -37,6 +38,10 @@ class SeqRules:
         self.generated = 0
         self.reported_cached = False
 
+    @property
+    def trace(self) -> RequestTrace | None:
+        return self.request.trace
+
 
 class Ledger:
     """Live sequences by id (`rules`, read directly on the per-token path) and live requests
@@ -47,6 +52,7 @@ class Ledger:
         self._requests: dict[str, LiveRequest] = {}
         self.requests_finished = 0
         self.finished_by_front: dict[int, int] = {}
+        self.traced = 0  # live requests with a trace
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -56,9 +62,11 @@ class Ledger:
 
     def add(self, request_id: str, seq_ids: list[int], max_tokens: int,
             stop_ids: frozenset[int], logprobs: list[bool], traceparent: str = "") -> None:
-        """Record an admitted request: one sequence per choice. The caller checked
-        `is_live(request_id)` first."""
-        request = LiveRequest(request_id, len(seq_ids), traceparent)
+        """Record an admitted request: one sequence per choice; `traceparent` (its router
+        span's) when the front traces it. The caller checked `is_live(request_id)` first."""
+        trace = RequestTrace(traceparent) if traceparent else None
+        self.traced += trace is not None
+        request = LiveRequest(request_id, len(seq_ids), trace)
         self._requests[request_id] = request
         for seq_id, wants_logprobs in zip(seq_ids, logprobs, strict=True):
             self.rules[seq_id] = SeqRules(request, max_tokens, stop_ids, wants_logprobs)
@@ -72,8 +80,13 @@ class Ledger:
         request = rules.request
         request.live -= 1
         request.aborted |= aborted
+        if request.trace is not None:
+            request.trace.output_tokens += rules.generated
         if request.live == 0:
             del self._requests[request.request_id]
+            if request.trace is not None:
+                self.traced -= 1
+                request.trace.end(request.aborted)
             if not request.aborted:
                 self.requests_finished += 1
                 front = front_of(seq_id)
@@ -85,6 +98,8 @@ class Ledger:
         `max_tokens` or `capped` (the scheduler ended it at the context limit) ends it here.
         The caller tells the scheduler."""
         rules.generated += 1
+        if rules.generated == 1 and rules.request.trace is not None:
+            rules.request.trace.first_token()
         if token in rules.stop_ids:
             code = FINISH_STOP
         elif capped or rules.generated >= rules.max_tokens:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from foundation.metrics import use_multiprocess_dir
 from foundation.model_config import ModelConfig
+from foundation.tracing import setup_tracing
 from router.core.capacity import CapacityError
 from router.core.channel import CoreEndpoint
 from router.core.config import CoreConfig
@@ -99,6 +100,7 @@ def main() -> int:
 
         uvloop.install()
     cfg = CoreConfig.from_json(sys.stdin.read())
+    setup_tracing("stagemesh-router", cfg.otlp_traces_endpoint)
     return asyncio.run(run_core(cfg, watch_parent=True))
 
 

@@ -87,10 +87,10 @@ def test_nothing_compiles_while_serving_after_warm_up(graphs: bool, tmp_path: Pa
         prefills = rng.randint(0 if decodes else 1, 32 - decodes)
         chunks = [SeqChunk(i, rng.randint(0, 400), 1, range(26)) for i in range(decodes)]
         budget = 512 - decodes
-        for j in range(prefills):
-            q = rng.randint(1, max(1, budget // (prefills - j)))
+        for j in range(prefills):  # the model's 512 positions are 32 blocks
+            q = rng.randint(1, max(1, min(312, budget // (prefills - j))))
             budget -= q
-            chunks.append(SeqChunk(decodes + j, rng.randint(0, 300), q, range(64)))
+            chunks.append(SeqChunk(decodes + j, rng.randint(0, 200), q, range(32)))
         tokens = sum(c.num_new for c in chunks)
         out = runner.execute(chunks, torch.randint(0, cfg.vocab_size, (tokens,)))
         assert torch.isfinite(out).all()
