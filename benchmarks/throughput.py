@@ -115,6 +115,13 @@ def main() -> None:
                     help="OpenTelemetry tracing of every request (gateway off: router and "
                          "stages) exported to an OTLP sink in this process; both: each stage "
                          "count twice, off then on, for the overhead in one run")
+    ap.add_argument("--metrics", default="on", choices=("on", "off", "both"),
+                    help="the services' Prometheus endpoints (off: serve --no-metrics); "
+                         "both: each stage count and tracing choice twice, on then off")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole set of meshes this many times, in the same order "
+                         "(alternating rounds: a comparison's sides share the machine's "
+                         "drift); each row carries its round")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/throughput-{dt.date.today()}.json"))
     args = ap.parse_args()
@@ -125,34 +132,44 @@ def main() -> None:
     config |= {"tp": 1, "revision": git_revision()}  # each row: the hops' transports
     print(config, flush=True)
     rows = []
-    tracing = {"off": (False,), "on": (True,), "both": (False, True)}[args.traces]
-    for p in (int(x) for x in args.stages.split(",")):
-        for traced in tracing:
-            flags = ["--model", args.model, "--stages", str(p), "--device", args.device,
-                     "--max-num-seqs", str(args.max_num_seqs),
-                     "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                     *args.extra.split()]
-            with contextlib.ExitStack() as stack:
-                sink = stack.enter_context(OtlpSink()) if traced else None
-                if sink is not None:
-                    flags += ["--otlp-traces-endpoint", sink.endpoint]
-                with Mesh(*flags, timeout=900) as mesh:
-                    rows.append({"stages": p, "traces": traced,
-                                 "hop_transports": hop_transports(mesh.address),
-                                 **run(mesh.address, prompts, args.output_len, args.clients),
-                                 # the last 10 s of the run (it has just ended)
-                                 "stage_figures": stage_figures(mesh.address)})
-                if sink is not None:
-                    rows[-1]["spans_exported"] = dict(sink.spans)
-            print(rows[-1], flush=True)
-    for r in rows:  # against the first depth, tracing as in this row
-        base = next(b for b in rows if b.get("traces") == r.get("traces"))
+    on_off = {"off": (False,), "on": (True,), "both": (False, True)}
+    variants = [(t, m) for t in on_off[args.traces] for m in on_off[args.metrics][::-1]]
+    for round_ in range(args.repeat):
+        for p in (int(x) for x in args.stages.split(",")):
+            for traced, metrics in variants:
+                rows.append({"round": round_, "stages": p, "traces": traced,
+                             "metrics": metrics, **_measure(args, p, traced, metrics, prompts)})
+                print(rows[-1], flush=True)
+    for r in rows:  # against the first depth of its round, tracing and metrics as in it
+        base = next(b for b in rows if all(b[k] == r[k] for k in ("round", "traces", "metrics")))
         r["vs_1_stage"] = r["output_tok_s"] / base["output_tok_s"]
     write_json(args.out, config, rows)
     print_table([{k: v for k, v in r.items() if k != "stage_figures"} for r in rows])
     png = args.out.with_suffix(".png")
-    if plot_throughput([r for r in rows if not r.get("traces")] or rows, png, config):
+    plain = [r for r in rows if r["round"] == 0 and not r["traces"] and r["metrics"]]
+    if plot_throughput(plain or rows, png, config):
         print(f"wrote {png}")
+
+
+def _measure(args: argparse.Namespace, stages: int, traced: bool, metrics: bool,
+             prompts: list[list[int]]) -> dict[str, Any]:
+    """One mesh of `stages`, one run of the workload: its figures."""
+    flags = ["--model", args.model, "--stages", str(stages), "--device", args.device,
+             "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             *([] if metrics else ["--no-metrics"]), *args.extra.split()]
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(OtlpSink()) if traced else None
+        if sink is not None:
+            flags += ["--otlp-traces-endpoint", sink.endpoint]
+        with Mesh(*flags, timeout=900) as mesh:
+            row = {"hop_transports": hop_transports(mesh.address),
+                   **run(mesh.address, prompts, args.output_len, args.clients),
+                   # the last 10 s of the run (it has just ended)
+                   "stage_figures": stage_figures(mesh.address)}
+        if sink is not None:
+            row["spans_exported"] = dict(sink.spans)
+    return row
 
 
 def plot_throughput(rows: list[dict[str, Any]], png: Path, config: dict[str, Any]) -> bool:
