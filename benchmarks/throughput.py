@@ -24,6 +24,7 @@ from benchmarks.report import (
     git_revision,
     hop_transports,
     print_table,
+    process_cpu,
     stage_figures,
     write_json,
 )
@@ -144,7 +145,11 @@ def main() -> None:
         base = next(b for b in rows if all(b[k] == r[k] for k in ("round", "traces", "metrics")))
         r["vs_1_stage"] = r["output_tok_s"] / base["output_tok_s"]
     write_json(args.out, config, rows)
-    print_table([{k: v for k, v in r.items() if k != "stage_figures"} for r in rows])
+    print_table([{k: v for k, v in r.items() if k not in ("stage_figures", "cpu_s")}
+                 for r in rows])
+    for r in rows:
+        print(f"round {r['round']} stages {r['stages']} traces {r['traces']} metrics "
+              f"{r['metrics']}: CPU s {r['cpu_s']}")
     png = args.out.with_suffix(".png")
     plain = [r for r in rows if r["round"] == 0 and not r["traces"] and r["metrics"]]
     if plot_throughput(plain or rows, png, config):
@@ -163,10 +168,13 @@ def _measure(args: argparse.Namespace, stages: int, traced: bool, metrics: bool,
         if sink is not None:
             flags += ["--otlp-traces-endpoint", sink.endpoint]
         with Mesh(*flags, timeout=900) as mesh:
+            before = process_cpu(mesh.proc.proc.pid)
             row = {"hop_transports": hop_transports(mesh.address),
-                   **run(mesh.address, prompts, args.output_len, args.clients),
-                   # the last 10 s of the run (it has just ended)
-                   "stage_figures": stage_figures(mesh.address)}
+                   **run(mesh.address, prompts, args.output_len, args.clients)}
+            after = process_cpu(mesh.proc.proc.pid)
+            # CPU seconds of each part of the mesh over the run (its warm-up requests too)
+            row["cpu_s"] = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
+            row["stage_figures"] = stage_figures(mesh.address)  # the run's last 10 s
         if sink is not None:
             row["spans_exported"] = dict(sink.spans)
     return row

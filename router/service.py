@@ -37,6 +37,7 @@ from router.errors import (
 )
 from router.frontend import Frontend
 from router.outputs import ChoiceDelta, RequestDone, RequestFailed
+from router.requests import GenerateRequest
 from router.validation import validate_prompt, validate_request
 
 
@@ -86,12 +87,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             write, request_id = context.write, req.request_id
             record.request_id, record.prompt_tokens = request_id, len(req.prompt_token_ids)
             if span is not None:
-                span.set_attributes({
-                    "gen_ai.request.id": request_id, "gen_ai.request.max_tokens": req.max_tokens,
-                    "gen_ai.request.temperature": req.sampling.temperature,
-                    "gen_ai.request.top_p": req.sampling.top_p,
-                    "gen_ai.request.choice.count": req.n,
-                    "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
+                _request_attributes(span, req)
             first_token = span is not None
             if audit.content:
                 record.prompt = self.tokenizer.decode(req.prompt_token_ids,
@@ -102,9 +98,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     if isinstance(item, ChoiceDelta):
                         if first_token and item.token_ids and span is not None:
                             first_token = False
-                            span.add_event("first_token")
-                            span.set_attribute("gen_ai.server.time_to_first_token",
-                                               time.monotonic() - record.started)
+                            _first_token(span, record.started)
                         await write(delta_to_proto(request_id, item))
                         if item.finish_reason is not None:
                             record.finish_reasons[item.index] = item.finish_reason.value
@@ -192,6 +186,20 @@ def _generate_span(request: pb.GenerateRequest, model: str,
             "gen_ai.operation.name": operation, "gen_ai.system": "stagemesh",
             "gen_ai.request.model": model, "rpc.system": "grpc",
             "rpc.service": "stagemesh.v1.InferenceService", "rpc.method": "Generate"})
+
+
+def _request_attributes(span: Span, req: GenerateRequest) -> None:
+    span.set_attributes({
+        "gen_ai.request.id": req.request_id, "gen_ai.request.max_tokens": req.max_tokens,
+        "gen_ai.request.temperature": req.sampling.temperature,
+        "gen_ai.request.top_p": req.sampling.top_p, "gen_ai.request.choice.count": req.n,
+        "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
+
+
+def _first_token(span: Span, started: float) -> None:
+    """`started`: the call's start (time.monotonic())."""
+    span.add_event("first_token")
+    span.set_attribute("gen_ai.server.time_to_first_token", time.monotonic() - started)
 
 
 def _end_generate_span(span: Span, record: AuditRecord) -> None:
