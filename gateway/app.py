@@ -28,11 +28,12 @@ from gateway.http import ClientDisconnectedError, Exchange, Receive, Send
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.params import Endpoint
 from gateway.served import ModelView, ModelViewLoader
+from gateway.tokenize import TokenizeHandlers, version
 
 log = logging.getLogger("stagemesh.gateway")
 
 Handler = Callable[[Exchange], Awaitable[None]]
-OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/version"})
 MODEL_PREFIX = "/v1/models/"
 PROBE_TIMEOUT_S = 2.0
 # Status recorded for a request whose client left before any response was sent (nginx's).
@@ -49,6 +50,7 @@ class Running:
     router: RouterConnections
     served: ModelViewLoader
     generate: GenerateHandler
+    tokens: TokenizeHandlers
 
 
 class GatewayApp:
@@ -65,6 +67,9 @@ class GatewayApp:
             MODEL_PREFIX + "{model}": {"GET": self._model},
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
+            "/version": {"GET": self._version},
         }
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive,
@@ -80,8 +85,9 @@ class GatewayApp:
             if message["type"] == "lifespan.startup":
                 router = RouterConnections.open(self.cfg)
                 served = ModelViewLoader(router.first, self.cfg)
-                self._running = Running(router, served,
-                                        GenerateHandler(self.cfg, router, served, self.metrics))
+                self._running = Running(
+                    router, served, GenerateHandler(self.cfg, router, served, self.metrics),
+                    TokenizeHandlers(router, served, self.cfg.max_body_bytes))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self._running is not None:
@@ -105,7 +111,11 @@ class GatewayApp:
 
     async def _http(self, ex: Exchange) -> None:
         """Answer one request; with tracing on, inside a server span that continues the
-        client's trace (its `traceparent` header) and is the parent of the router calls."""
+        client's trace (its `traceparent` header) and is the parent of the router calls.
+        A client's X-Request-Id is echoed on every response (errors too)."""
+        request_id = ex.headers.get("x-request-id")
+        if request_id is not None and request_id.isprintable():
+            ex.response_headers["x-request-id"] = request_id[:128]
         t = tracer()
         if t is None:
             await self._answer(ex)
@@ -204,3 +214,12 @@ class GatewayApp:
 
     async def _chat(self, ex: Exchange) -> None:
         await self.running.generate(ex, Endpoint.CHAT, "/v1/chat/completions")
+
+    async def _tokenize(self, ex: Exchange) -> None:
+        await self.running.tokens.tokenize(ex)
+
+    async def _detokenize(self, ex: Exchange) -> None:
+        await self.running.tokens.detokenize(ex)
+
+    async def _version(self, ex: Exchange) -> None:
+        await ex.json(200, {"version": version()})

@@ -66,6 +66,9 @@ class ResponseBuilder:
         self.texts = texts
         self.choices: dict[int, _Choice] = {}
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        self._prompt_tokens: dict[int, int] = {}  # prompt -> its length, from its first chunk
+        self._final_usage = False  # every prompt's usage arrived
+        self._usages = 0
 
     def delta(self, prompt: int, chunk: Chunk) -> Delta | None:
         """Account one chunk of prompt `prompt`'s call; None for the usage chunk."""
@@ -73,7 +76,11 @@ class ResponseBuilder:
             for key in self.usage:
                 src = "cached_prompt_tokens" if key == "cached_tokens" else key
                 self.usage[key] += chunk.usage.get(src, 0)
+            self._usages += 1
+            self._final_usage = self._usages == len(self.spec.prompts)
             return None
+        if chunk.prompt_tokens:
+            self._prompt_tokens[prompt] = chunk.prompt_tokens
         index = prompt * self.spec.n + chunk.index
         first = index not in self.choices
         choice = self.choices.setdefault(index, _Choice())
@@ -138,12 +145,21 @@ class ResponseBuilder:
         if self.spec.return_token_ids:
             choice["token_ids"] = list(d.token_ids)
         body: dict[str, Any] = {**self.head, "choices": [choice]}
-        if self.spec.include_usage:
+        if self.spec.continuous_usage:  # vLLM's: the counts so far on every chunk
+            body["usage"] = self.usage_json(running=True)
+        elif self.spec.include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 
-    def usage_json(self) -> dict[str, int | dict[str, int]]:
+    def usage_json(self, running: bool = False) -> dict[str, int | dict[str, int]]:
+        """The call's usage; `running`: while streaming, from the prompts' lengths and the
+        token ids received so far (the routers' usage replaces it at the end)."""
         u = self.usage
+        if running and not self._final_usage:
+            prompt = sum(self._prompt_tokens.values())
+            done = sum(len(c.token_ids) for c in self.choices.values())
+            return {"prompt_tokens": prompt, "completion_tokens": done,
+                    "total_tokens": prompt + done}
         return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
                 "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}

@@ -59,12 +59,26 @@ class Fields:
     def __init__(self, body: dict[str, Any], prefix: str = "") -> None:
         self.body = body
         self.prefix = prefix
+        self.read: set[str] = set()  # the keys a parser asked for
+
+    def refuse_unknown(self, ignored: frozenset[str] = frozenset()) -> None:
+        """A 400 naming every key of the body that no parser read and `ignored` does not
+        list: a field this server does not know would otherwise change nothing, silently
+        (vLLM's `guided_json`, `min_tokens`, ...)."""
+        unknown = sorted(k for k in self.body if k not in self.read and k not in ignored)
+        if unknown:
+            names = ", ".join(self._name(k) for k in unknown)
+            raise invalid(self._name(unknown[0]),
+                          f"unknown field{'s' if len(unknown) > 1 else ''} {names}: not "
+                          "supported by this server (docs/GATEWAY.md lists the fields it "
+                          "reads and those it ignores)")
 
     def _name(self, key: str) -> str:
         return self.prefix + key
 
     def raw(self, key: str) -> Any:
         """The value as sent; a missing key and an explicit null both read as None (unset)."""
+        self.read.add(key)
         return self.body.get(key)
 
     def string(self, key: str) -> str | None:

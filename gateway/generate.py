@@ -9,6 +9,7 @@ down past the recovery budget) become an SSE `data: {"error": ...}` event before
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,6 +46,20 @@ def _as_api_error(exc: Exception, spec: GenerationSpec) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
+
+
+def request_id_header(ex: Exchange) -> str | None:
+    """The client's X-Request-Id, checked (1-128 visible ASCII characters); None if absent."""
+    value = ex.headers.get("x-request-id")
+    if value is None:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise APIError(400, "X-Request-Id must be 1 to 128 visible ASCII characters "
+                            f"(no spaces), got {value[:40]!r}", code="invalid_request_id")
+    return value
+
+
 class GenerateHandler:
     def __init__(self, cfg: GatewayConfig, router: RouterConnections, served: ModelViewLoader,
                  metrics: GatewayMetrics) -> None:
@@ -64,7 +79,10 @@ class GenerateHandler:
             raise from_rpc_error(e) from e
         router_model = self.served.router_model(view, spec.model)
         prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        # The client's X-Request-Id names the request (in the response id, the router's
+        # request ids, logs and traces), as vLLM does; it is echoed on the response.
+        response_id = f"{prefix}-{request_id_header(ex) or uuid.uuid4().hex}"
+        ex.response_headers.setdefault("x-request-id", response_id)
         log.info("%s %s: %d prompt(s), n=%d, stream=%s, user=%r", route, response_id,
                  len(spec.prompts), spec.n, spec.stream, spec.user)
         requests = router_requests(spec, router_model, response_id)

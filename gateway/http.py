@@ -46,6 +46,7 @@ class Exchange:
         self._receive = receive
         self._send = send
         self.status: int | None = None  # set when the response starts
+        self.response_headers: dict[str, str] = {}  # added to whatever response is sent
 
     @property
     def started(self) -> bool:
@@ -87,7 +88,8 @@ class Exchange:
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
         self.status = status
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+               for k, v in {**headers, **self.response_headers}.items()]
         await self._send({"type": "http.response.start", "status": status, "headers": raw})
 
     async def body(self, data: bytes, more: bool = False) -> None:

@@ -20,6 +20,10 @@ _SAMPLING = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_pen
              "repetition_penalty")
 # OpenAI renamed "system" to "developer" for newer models; the chat templates know "system".
 _ROLE_ALIASES = {"developer": "system"}
+# OpenAI fields that change nothing a model computes: accepted and ignored. Any other field
+# the parsers do not read is refused with 400 naming it.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key",
+                            "safety_identifier", "parallel_tool_calls"})
 
 
 class Endpoint(Enum):
@@ -49,6 +53,7 @@ class GenerationSpec:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     logprobs: int | None
     return_token_ids: bool
     user: str | None
@@ -68,8 +73,10 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
     max_tokens = f.integer("max_tokens")
     options = _common_options(f)
     options["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    return _spec(f, Endpoint.COMPLETIONS, parse_prompts(f.raw("prompt"), max_prompts), n,
+    spec = _spec(f, Endpoint.COMPLETIONS, parse_prompts(f.raw("prompt"), max_prompts), n,
                  logprobs, "max_tokens", options)
+    f.refuse_unknown(IGNORED_FIELDS)
+    return spec
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:
@@ -87,8 +94,11 @@ def parse_chat(body: dict[str, Any]) -> GenerationSpec:
     field = "max_completion_tokens" if f.raw("max_completion_tokens") is not None \
         else "max_tokens"
     options["max_tokens"] = f.integer(field)
-    return _spec(f, Endpoint.CHAT, (Prompt(messages=messages),), f.integer("n"), logprobs,
+    f.raw("max_tokens")  # read: with max_completion_tokens set, max_tokens is ignored
+    spec = _spec(f, Endpoint.CHAT, (Prompt(messages=messages),), f.integer("n"), logprobs,
                  field, options)
+    f.refuse_unknown(IGNORED_FIELDS)
+    return spec
 
 
 def _spec(f: Fields, endpoint: Endpoint, prompts: tuple[Prompt, ...], n: int | None,
@@ -99,10 +109,16 @@ def _spec(f: Fields, endpoint: Endpoint, prompts: tuple[Prompt, ...], n: int | N
     if stream_options is not None and not stream:
         raise invalid("stream_options", "stream_options is only allowed when stream is true")
     include_usage = bool(stream_options and stream_options.boolean("include_usage"))
+    # vLLM's: usage so far on every chunk; only with include_usage, as vLLM reads it
+    continuous = bool(stream_options and stream_options.boolean("continuous_usage_stats"))
+    continuous &= include_usage
+    if stream_options is not None:
+        stream_options.refuse_unknown()
     options.update(n=n, logprobs=logprobs)
     return GenerationSpec(
         endpoint=endpoint, model=f.string("model"), prompts=prompts, n=1 if n is None else n,
-        stream=stream, include_usage=include_usage, logprobs=logprobs,
+        stream=stream, include_usage=include_usage, continuous_usage=continuous,
+        logprobs=logprobs,
         return_token_ids=bool(f.boolean("return_token_ids")), user=f.string("user"),
         max_tokens_field=max_tokens_field, options=options)
 
@@ -116,6 +132,7 @@ def _common_options(f: Fields) -> dict[str, Any]:
     options["stop_token_ids"] = f.integers("stop_token_ids") or ()
     options["ignore_eos"] = bool(f.boolean("ignore_eos"))
     options["priority"] = f.integer("priority") or 0
+    options["include_stop_str_in_output"] = bool(f.boolean("include_stop_str_in_output"))
     return options
 
 

@@ -25,7 +25,8 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed update. `usage` is set on the last chunk of a call (empty choice)."""
+    """One streamed update. `usage` is set on the last chunk of a call (empty choice);
+    `prompt_tokens` on the first (0 on the others)."""
 
     request_id: str
     index: int
@@ -34,6 +35,7 @@ class Chunk:
     finish_reason: str | None
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
     usage: dict[str, int] | None = None
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -51,13 +53,16 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   max_tokens: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), n: int | None = None,
                   logprobs: int | None = None, ignore_eos: bool = False,
-                  request_id: str = "", priority: int = 0, **sampling: Any) -> pb.GenerateRequest:
+                  request_id: str = "", priority: int = 0,
+                  include_stop_str_in_output: bool = False,
+                  **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments; sampling keys as in `SamplingParams`."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
     req = pb.GenerateRequest(model=model, stop=list(stop), stop_token_ids=list(stop_token_ids),
-                             ignore_eos=ignore_eos, request_id=request_id, priority=priority)
+                             ignore_eos=ignore_eos, request_id=request_id, priority=priority,
+                             include_stop_str_in_output=include_stop_str_in_output)
     if prompt is not None:
         req.text = prompt
     elif messages is not None:
@@ -94,7 +99,7 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
     logprobs = tuple((lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
                      for lp in msg.logprobs)
     return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
-                 finish_reason_text(msg.finish_reason), logprobs, usage)
+                 finish_reason_text(msg.finish_reason), logprobs, usage, msg.prompt_tokens)
 
 
 class RouterClient:
@@ -168,6 +173,14 @@ class RouterClient:
                                      for m in messages)
         reply = await self.stub.Tokenize(req, metadata=self.metadata)
         return list(reply.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False,
+                         model: str = "") -> str:
+        reply = await self.stub.Detokenize(
+            pb.DetokenizeRequest(model=model, token_ids=list(token_ids),
+                                 skip_special_tokens=skip_special_tokens),
+            metadata=self.metadata)
+        return reply.text
 
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,

@@ -38,7 +38,7 @@ from router.errors import (
 from router.frontend import Frontend
 from router.outputs import ChoiceDelta, RequestDone, RequestFailed
 from router.requests import GenerateRequest
-from router.validation import validate_prompt, validate_request
+from router.validation import validate_prompt, validate_request, validate_token_ids
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if audit.content:
                 record.prompt = self.tokenizer.decode(req.prompt_token_ids,
                                                       skip_special_tokens=False)
+            first_response = True
             async for items in self.front.submit(
                     req, traceparent_of(span) if span is not None else ""):
                 for item in items:
@@ -99,7 +100,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         if first_token and item.token_ids and span is not None:
                             first_token = False
                             _first_token(span, record.started)
-                        await write(delta_to_proto(request_id, item))
+                        response = delta_to_proto(request_id, item)
+                        if first_response:
+                            first_response = False
+                            response.prompt_tokens = len(req.prompt_token_ids)
+                        await write(response)
                         if item.finish_reason is not None:
                             record.finish_reasons[item.index] = item.finish_reason.value
                         if audit.content:
@@ -133,6 +138,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         tokens = [self.tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens,
                                    prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    @unary_errors
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        served = self._model(request.model)
+        ids = validate_token_ids(request.token_ids, served.info.limits)
+        return pb.DetokenizeResponse(text=self.tokenizer.decode(
+            ids, skip_special_tokens=request.skip_special_tokens))
 
     @unary_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

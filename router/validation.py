@@ -146,6 +146,16 @@ def validate_prompt(prompt: PromptInput, limits: RequestLimits,
     return ids
 
 
+def validate_token_ids(ids: Sequence[int], limits: RequestLimits) -> tuple[int, ...]:
+    """Token ids to detokenize: at most the context's length of them, each in the
+    vocabulary (field `token_ids`)."""
+    if len(ids) > limits.max_model_len:
+        _fail("token_ids", f"token_ids has {len(ids)} ids, at most the model's context of "
+                           f"{limits.max_model_len} are allowed")
+    _check_in_vocab("token_ids", ids, limits.vocab_size)
+    return tuple(ids)
+
+
 def fit_max_tokens(num_prompt_tokens: int, max_tokens: int | None,
                    limits: RequestLimits) -> int:
     """The request's max_tokens: as given if prompt + max_tokens fits the context, else a

@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.connections import RouterConnections
 from gateway.generate import GenerateHandler
 from gateway.served import ModelViewLoader
+from gateway.tokenize import TokenizeHandlers
 from protos.stagemesh.v1 import inference_pb2 as pb
 from router.client import Chunk
 
@@ -61,7 +62,8 @@ def _app(fake: FakeRouter, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     clients: list[Any] = [fake, *more]  # duck-type the RouterClient methods the gateway calls
     router = RouterConnections(clients)
     served = ModelViewLoader(router.first, cfg)
-    app._running = Running(router, served, GenerateHandler(cfg, router, served, app.metrics))
+    app._running = Running(router, served, GenerateHandler(cfg, router, served, app.metrics),
+                           TokenizeHandlers(router, served, cfg.max_body_bytes))
     return app
 
 

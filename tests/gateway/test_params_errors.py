@@ -126,3 +126,39 @@ def test_api_keys_from_every_source(tmp_path: Path) -> None:
     assert load_api_keys([], None, None) == frozenset()
     with pytest.raises(ValueError):
         GatewayConfig(api_keys=frozenset({" padded"}))
+
+
+@pytest.mark.parametrize("parse", [
+    lambda body: parse_completions({"prompt": "hi", **body}, max_prompts=4),
+    lambda body: parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}),
+])
+def test_unknown_fields_are_refused_by_name(parse: Any) -> None:
+    """A vLLM extension this server does not implement must not be silently ignored."""
+    with pytest.raises(APIError) as one:
+        parse({"guided_json": {"type": "object"}})
+    assert one.value.status == 400 and one.value.param == "guided_json"
+    assert "guided_json" in one.value.message
+    with pytest.raises(APIError) as two:
+        parse({"min_tokens": 3, "guided_regex": "a+", "temperature": 0})
+    assert two.value.param == "guided_regex"  # the first, by name; both in the message
+    assert "guided_regex, min_tokens" in two.value.message
+    with pytest.raises(APIError) as nested:
+        parse({"stream": True, "stream_options": {"include_usage": True, "extra": 1}})
+    assert nested.value.param == "stream_options.extra"
+    assert parse({"stream": True, "stream_options": {"include_usage": True,
+                                                     "continuous_usage_stats": True}}
+                 ).continuous_usage
+    assert not parse({"stream": True, "stream_options": {"continuous_usage_stats": True}}
+                     ).continuous_usage  # as vLLM: only with include_usage
+    # OpenAI fields that change nothing computed are accepted (and ignored)
+    spec = parse({"metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                  "prompt_cache_key": "p", "safety_identifier": "s", "user": "u"})
+    assert spec.user == "u"
+    # null reads as unset for a known field, and a known field at its default is no error
+    parse({"seed": None, "include_stop_str_in_output": True})
+
+
+def test_chat_ignores_max_tokens_beside_max_completion_tokens() -> None:
+    spec = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                       "max_completion_tokens": 5})
+    assert spec.options["max_tokens"] == 5

@@ -1,0 +1,122 @@
+"""vLLM's /tokenize, /detokenize and /version on the gateway, the router's Detokenize RPC,
+X-Request-Id, and include_stop_str_in_output, against the shared 2-stage mesh (the default
+model), through httpx and the official openai client."""
+
+from __future__ import annotations
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from protos.stagemesh.v1 import inference_pb2 as pb
+from protos.stagemesh.v1 import inference_pb2_grpc
+from tests.gateway.conftest import MODEL
+
+pytestmark = pytest.mark.slow
+
+
+def test_tokenize_detokenize_round_trip(base_url: str,
+                                        stub: inference_pb2_grpc.InferenceServiceStub) -> None:
+    text = "The capital of France is Paris."
+    got = httpx.post(base_url + "/tokenize", json={"model": MODEL, "prompt": text,
+                                                   "return_token_strs": True}, timeout=30)
+    assert got.status_code == 200, got.text
+    body = got.json()
+    assert body["count"] == len(body["tokens"]) == len(body["token_strs"]) > 0
+    assert body["max_model_len"] > body["count"]
+    # the same ids the router's own Tokenize gives, which is what Generate uses
+    assert body["tokens"] == list(stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+    back = httpx.post(base_url + "/detokenize", json={"tokens": body["tokens"]}, timeout=30)
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    chat = httpx.post(base_url + "/tokenize", json={
+        "messages": [{"role": "user", "content": "Hi"}]}, timeout=30).json()
+    assert chat["count"] > 3 and chat["token_strs"] is None
+    reply = stub.Detokenize(pb.DetokenizeRequest(token_ids=chat["tokens"],
+                                                 skip_special_tokens=True))
+    assert "Hi" in reply.text and "<|im_start|>" not in reply.text
+
+
+def test_tokenize_errors_name_the_field(base_url: str) -> None:
+    def post(path: str, body: dict[str, object]) -> httpx.Response:
+        return httpx.post(base_url + path, json=body, timeout=30)
+
+    cases = [("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+             ("/tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens"),
+             ("/tokenize", {"prompt": "a", "truncate": 3}, "truncate"),
+             ("/detokenize", {}, "tokens"),
+             ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
+             ("/detokenize", {"tokens": ["a"]}, "tokens[0]")]
+    for path, body, param in cases:
+        got = post(path, body)
+        assert got.status_code == 400, (body, got.text)
+        assert got.json()["error"]["param"] == param, (body, got.json())
+    assert post("/detokenize", {"tokens": [1], "model": "other"}).status_code == 404
+
+
+def test_version_is_open_and_names_the_package(base_url: str) -> None:
+    got = httpx.get(base_url + "/version", timeout=10)
+    assert got.status_code == 200 and got.json()["version"] not in ("", None)
+
+
+def test_x_request_id_names_the_request_and_is_echoed(base_url: str) -> None:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Hello", max_tokens=2, extra_headers={"X-Request-Id": "abc-123"})
+    assert raw.headers["x-request-id"] == "abc-123"
+    assert raw.parse().id == "cmpl-abc-123"
+    plain = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert plain.headers["x-request-id"] == plain.parse().id  # a generated one
+    bad = httpx.post(base_url + "/v1/completions", headers={"X-Request-Id": "a b"},
+                     json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=30)
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "a b"
+    assert "X-Request-Id" in bad.json()["error"]["message"]
+
+
+def test_unknown_extra_body_fields_are_refused(base_url: str) -> None:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            extra_body={"guided_choice": ["yes", "no"]})
+    assert bad.value.body["param"] == "guided_choice"  # type: ignore[index]
+    ok = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        metadata={"team": "a"}, store=False)
+    assert ok.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_include_stop_str_in_output(base_url: str, include: bool) -> None:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    free = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=8, temperature=0).choices[0].text
+    stop = free.strip().split()[0]
+    got = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+        stop=[stop], extra_body={"include_stop_str_in_output": include}).choices[0]
+    assert got.finish_reason == "stop"
+    assert got.text.endswith(stop) == include
+    assert free.startswith(got.text)
+
+
+def test_continuous_usage_stats_count_as_the_stream_goes(base_url: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): every chunk carries
+    the usage so far, the prompt's length from the router's first response."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    stream = client.completions.create(
+        model=MODEL, prompt=["Once upon a time", "Hello"], max_tokens=6, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True})  # type: ignore[typeddict-unknown-key]
+    chunks = list(stream)
+    final = chunks[-1]
+    assert final.choices == [] and final.usage is not None
+    assert final.usage.completion_tokens == 12
+    seen = 0
+    for chunk in chunks[:-1]:
+        assert chunk.usage is not None
+        seen += sum(len(getattr(c, "token_ids", None) or []) for c in chunk.choices)
+        assert chunk.usage.completion_tokens == seen
+        assert 0 < chunk.usage.prompt_tokens <= final.usage.prompt_tokens
+    assert chunks[-2].usage is not None
+    assert chunks[-2].usage.prompt_tokens == final.usage.prompt_tokens
