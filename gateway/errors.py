@@ -36,7 +36,8 @@ _LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?(?=[\s:]|$)")
 _ROUTER_FIELDS = frozenset({
     "prompt", "prompt_token_ids", "messages", "input", "max_tokens", "temperature", "top_p",
     "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "logprobs", "n", "stop", "stop_token_ids", "priority", "request_id", "token_ids"})
+    "logprobs", "n", "stop", "stop_token_ids", "priority", "request_id", "token_ids",
+    "truncate_prompt_tokens"})
 
 
 class APIError(Exception):

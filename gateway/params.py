@@ -133,6 +133,8 @@ def _common_options(f: Fields) -> dict[str, Any]:
     options["ignore_eos"] = bool(f.boolean("ignore_eos"))
     options["priority"] = f.integer("priority") or 0
     options["include_stop_str_in_output"] = bool(f.boolean("include_stop_str_in_output"))
+    options["skip_special_tokens"] = f.boolean("skip_special_tokens")
+    options["truncate_prompt_tokens"] = f.integer("truncate_prompt_tokens")
     return options
 
 

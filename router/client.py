@@ -55,6 +55,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   logprobs: int | None = None, ignore_eos: bool = False,
                   request_id: str = "", priority: int = 0,
                   include_stop_str_in_output: bool = False,
+                  skip_special_tokens: bool | None = None,
+                  truncate_prompt_tokens: int | None = None,
                   **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments; sampling keys as in `SamplingParams`."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
@@ -79,6 +81,10 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
         req.n = n
     if logprobs is not None:
         req.logprobs = logprobs
+    if skip_special_tokens is not None:
+        req.skip_special_tokens = skip_special_tokens
+    if truncate_prompt_tokens is not None:
+        req.truncate_prompt_tokens = truncate_prompt_tokens
     return req
 
 

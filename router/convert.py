@@ -69,6 +69,10 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
         n=msg.n if msg.HasField("n") else 1,
         priority=msg.priority,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=(msg.skip_special_tokens if msg.HasField("skip_special_tokens")
+                             else True),
+        truncate_prompt_tokens=(msg.truncate_prompt_tokens
+                                if msg.HasField("truncate_prompt_tokens") else None),
     )
 
 

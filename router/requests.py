@@ -105,6 +105,7 @@ class RawGenerateRequest:
     priority: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
 
 
 @dataclass(frozen=True)

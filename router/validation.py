@@ -72,7 +72,10 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
         _fail("stop_token_ids", f"stop_token_ids has {len(raw.stop_token_ids)} ids, "
                                 f"at most {limits.max_stop_token_ids} are allowed")
     _check_in_vocab("stop_token_ids", raw.stop_token_ids, limits.vocab_size)
-    prompt_ids = validate_prompt(raw.prompt, limits, tokenizer)
+    if raw.truncate_prompt_tokens is not None:
+        _check_range("truncate_prompt_tokens", raw.truncate_prompt_tokens, 1,
+                     limits.max_model_len - 1)
+    prompt_ids = validate_prompt(raw.prompt, limits, tokenizer, raw.truncate_prompt_tokens)
     max_tokens = fit_max_tokens(len(prompt_ids), raw.max_tokens, limits)
     return GenerateRequest(
         request_id=raw.request_id,
@@ -111,14 +114,17 @@ def validate_stop(stop: Sequence[str], limits: RequestLimits) -> None:
 
 
 def validate_prompt(prompt: PromptInput, limits: RequestLimits,
-                    tokenizer: PromptEncoder) -> tuple[int, ...]:
-    """The prompt's token ids: non-empty, in the vocabulary, shorter than the context.
+                    tokenizer: PromptEncoder, truncate: int | None = None) -> tuple[int, ...]:
+    """The prompt's token ids: non-empty, in the vocabulary, shorter than the context; with
+    `truncate`, only the last `truncate` of them (checked in range by the caller).
 
     Text and message sizes are checked before tokenizing; a chat template that refuses the
     messages (roles out of order, no template) is a ValidationError on `messages`.
     """
     if isinstance(prompt, TokenPrompt):
         field, ids = "prompt_token_ids", prompt.token_ids
+        if truncate is not None:
+            ids = ids[-truncate:]
         if not ids:
             _fail(field, "prompt_token_ids must not be empty")
         _check_prompt_fits(field, len(ids), limits)  # before scanning a giant list
@@ -140,6 +146,8 @@ def validate_prompt(prompt: PromptInput, limits: RequestLimits,
                 [{"role": m.role, "content": m.content} for m in prompt.messages]))
         except ChatTemplateError as e:
             raise ValidationError(field, f"messages: {e}") from e
+    if truncate is not None:
+        ids = ids[-truncate:]
     if not ids:
         _fail(field, "prompt has no tokens")
     _check_prompt_fits(field, len(ids), limits)

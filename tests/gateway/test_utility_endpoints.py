@@ -1,6 +1,7 @@
 """vLLM's /tokenize, /detokenize and /version on the gateway, the router's Detokenize RPC,
-X-Request-Id, and include_stop_str_in_output, against the shared 2-stage mesh (the default
-model), through httpx and the official openai client."""
+X-Request-Id, unknown fields refused, and vLLM's request fields (include_stop_str_in_output,
+continuous_usage_stats, skip_special_tokens, truncate_prompt_tokens), against the shared
+2-stage mesh (the default model), through httpx and the official openai client."""
 
 from __future__ import annotations
 
@@ -120,3 +121,24 @@ def test_continuous_usage_stats_count_as_the_stream_goes(base_url: str) -> None:
         assert 0 < chunk.usage.prompt_tokens <= final.usage.prompt_tokens
     assert chunks[-2].usage is not None
     assert chunks[-2].usage.prompt_tokens == final.usage.prompt_tokens
+
+
+def test_skip_special_tokens_and_truncate_prompt_tokens(base_url: str) -> None:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    texts = {}
+    for skip in (True, False):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=question, max_tokens=16, temperature=0,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        texts[skip] = reply.choices[0].message.content or ""
+    assert "<|im_end|>" in texts[False] and "<|im_end|>" not in texts[True]
+    assert texts[False].startswith(texts[True].split()[0])
+    ids = list(range(1000, 1050))
+    usage = client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": 5}).usage
+    assert usage is not None and usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 0})
+    assert bad.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]

@@ -54,6 +54,21 @@ def test_valid_token_prompt_passes_through(tok: ModelTokenizer) -> None:
         priority=-5, include_stop_str_in_output=True, skip_special_tokens=False)
 
 
+def test_truncation_keeps_the_prompts_last_tokens(tok: ModelTokenizer) -> None:
+    """vLLM's truncate_prompt_tokens, for every prompt form; a prompt too long for the
+    context fits once truncated, and max_tokens is fitted to what is kept."""
+    long = replace(BASE, prompt=TokenPrompt(tuple(range(9000))), truncate_prompt_tokens=100,
+                   max_tokens=None)
+    got = validate_request(long, LIMITS, tok)
+    assert got.prompt_token_ids == tuple(range(8900, 9000)) and got.max_tokens == 4096
+    text = replace(BASE, prompt=TextPrompt("one two three four five"),
+                   truncate_prompt_tokens=2)
+    assert validate_request(text, LIMITS, tok).prompt_token_ids == \
+        tuple(tok.encode("one two three four five")[-2:])
+    short = replace(BASE, truncate_prompt_tokens=1000)  # longer than the prompt: all kept
+    assert validate_request(short, LIMITS, tok).prompt_token_ids == tuple(range(100, 220))
+
+
 def test_text_prompt_is_tokenized(tok: ModelTokenizer) -> None:
     raw = replace(BASE, prompt=TextPrompt("Hello there, 你好 🎉"))
     assert validate_request(raw, LIMITS, tok).prompt_token_ids == \
@@ -141,6 +156,10 @@ BAD = [
      "stop_token_ids[1] = 49152 is outside the vocabulary [0, 49152)"),
     ({"stop_token_ids": (2,) * 9}, {}, "stop_token_ids",
      "stop_token_ids has 9 ids, at most 8 are allowed"),
+    ({"truncate_prompt_tokens": 0}, {}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be between 1 and 8191, got 0"),
+    ({"truncate_prompt_tokens": 8192}, {}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be between 1 and 8191, got 8192"),
 ]
 
 
