@@ -36,6 +36,7 @@ class Delta:
     logprobs: Any
     finish_reason: str | None
     first: bool
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, list[Any]] = field(default_factory=dict)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id matched
     chars: int = 0
     token_chars: int = 0
     utf8: codecs.IncrementalDecoder = field(
@@ -94,7 +96,10 @@ class ResponseBuilder:
         choice.text.append(chunk.text)
         choice.token_ids.extend(chunk.token_ids)
         choice.finish_reason = chunk.finish_reason or choice.finish_reason
-        return Delta(index, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, first)
+        if chunk.stop_reason is not None:
+            choice.stop_reason = chunk.stop_reason
+        return Delta(index, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, first,
+                     chunk.stop_reason)
 
     def _chat_logprobs(self, entries: tuple[LogprobEntry, ...]) -> dict[str, list[Any]]:
         content = []
@@ -142,6 +147,8 @@ class ResponseBuilder:
             choice["text"] = d.text
         choice["logprobs"] = d.logprobs
         choice["finish_reason"] = d.finish_reason
+        if d.finish_reason is not None:
+            choice["stop_reason"] = d.stop_reason
         if self.spec.return_token_ids:
             choice["token_ids"] = list(d.token_ids)
         body: dict[str, Any] = {**self.head, "choices": [choice]}
@@ -180,6 +187,7 @@ class ResponseBuilder:
                 out["text"] = text
             out["logprobs"] = c.logprobs if self.spec.logprobs is not None else None
             out["finish_reason"] = c.finish_reason
+            out["stop_reason"] = c.stop_reason
             if self.spec.return_token_ids:
                 out["token_ids"] = c.token_ids
             choices.append(out)

@@ -28,8 +28,10 @@ class ChoiceState:
     def __init__(self, index: int, seq_id: int, tokenizer: Tokenizer,
                  prompt_token_ids: tuple[int, ...], stop: tuple[str, ...],
                  include_stop_str: bool, skip_special_tokens: bool,
-                 hold_tokens: bool = False) -> None:
+                 hold_tokens: bool = False, stop_token_ids: tuple[int, ...] = ()) -> None:
+        """`stop_token_ids`: the request's own (not EOS), to name one in `stop_reason`."""
         self.index = index
+        self.stop_token_ids = stop_token_ids
         self.seq_id = seq_id
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = StopChecker(stop, include_stop_str)
@@ -55,11 +57,13 @@ class ChoiceState:
         ids, logprobs = self._take(token_id, logprob)
         if verdict is FinishReason.STOP:  # a stop token: no text of its own
             return self._finish(FinishReason.STOP, ids, logprobs,
-                                self.detok.push_many(ids[:-1]) if len(ids) > 1 else "")
+                                self.detok.push_many(ids[:-1]) if len(ids) > 1 else "",
+                                token_id if token_id in self.stop_token_ids else None)
         text, stopped = self.stop.process(self.detok.push_many(ids))
         if stopped:
             self.finish_reason = FinishReason.STOP
-            return ChoiceDelta(self.index, text, ids, logprobs, FinishReason.STOP)
+            return ChoiceDelta(self.index, text, ids, logprobs, FinishReason.STOP,
+                               self.stop.matched)
         if verdict is not None:
             return self._finish(verdict, ids, logprobs, text)
         return ChoiceDelta(self.index, text, ids, logprobs)
@@ -88,11 +92,14 @@ class ChoiceState:
         return self._finish(FinishReason.ABORT, (), (), "")
 
     def _finish(self, reason: FinishReason, ids: tuple[int, ...],
-                logprobs: tuple[TokenLogprob, ...], text: str) -> ChoiceDelta:
+                logprobs: tuple[TokenLogprob, ...], text: str,
+                stop_reason: str | int | None = None) -> ChoiceDelta:
         """Release held text (an undecided stop-string prefix, an unfinished character)."""
         tail, stopped = self.stop.process(self.detok.flush())
         text += tail
-        if not stopped:
+        if stopped:  # the held text completed a stop string after all
+            reason, stop_reason = FinishReason.STOP, self.stop.matched
+        else:
             text += self.stop.flush()
         self.finish_reason = reason
-        return ChoiceDelta(self.index, text, ids, logprobs, reason)
+        return ChoiceDelta(self.index, text, ids, logprobs, reason, stop_reason)

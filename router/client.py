@@ -36,6 +36,7 @@ class Chunk:
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
     usage: dict[str, int] | None = None
     prompt_tokens: int = 0
+    stop_reason: str | int | None = None  # see GenerateResponse.stop_reason
 
 
 @dataclass
@@ -104,8 +105,11 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
                  "cached_prompt_tokens": msg.usage.cached_prompt_tokens}
     logprobs = tuple((lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
                      for lp in msg.logprobs)
+    kind = msg.WhichOneof("stop_reason")
+    stop_reason = None if kind is None else getattr(msg, kind)
     return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
-                 finish_reason_text(msg.finish_reason), logprobs, usage, msg.prompt_tokens)
+                 finish_reason_text(msg.finish_reason), logprobs, usage, msg.prompt_tokens,
+                 stop_reason)
 
 
 class RouterClient:

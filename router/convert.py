@@ -77,6 +77,17 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
 
 
 def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
+    if delta.stop_reason is not None:  # a choice's last update: the stop string or id
+        out = _delta_to_proto(request_id, delta)
+        if isinstance(delta.stop_reason, str):
+            out.stop_string = delta.stop_reason
+        else:
+            out.stop_token_id = delta.stop_reason
+        return out
+    return _delta_to_proto(request_id, delta)
+
+
+def _delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
     if not delta.logprobs:  # the common case, once per token per stream
         return pb.GenerateResponse(request_id=request_id, index=delta.index, text=delta.text,
                                    token_ids=delta.token_ids,

@@ -138,7 +138,8 @@ class Frontend:
         state = RequestState(req, {
             seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
                              req.include_stop_str_in_output, req.skip_special_tokens,
-                             hold_tokens=self.stream_interval > 1)
+                             hold_tokens=self.stream_interval > 1,
+                             stop_token_ids=req.stop_token_ids)
             for i, seq in enumerate(seq_ids)
         }, unfinished=req.n, arrived=time.monotonic())
         self.requests[req.request_id] = state

@@ -25,6 +25,9 @@ class ChoiceDelta:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
+    # With finish_reason STOP: the stop string or the stop token id (one of the request's
+    # stop_token_ids) that ended the choice; None for the model's EOS (vLLM's stop_reason).
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def test_chat_stream_chunks(texts: TokenTexts) -> None:
     assert held is not None and b.stream_chunk(held) is None
     last = b.stream_chunk(b.delta(0, _chunk(0, "日", (115,), "stop")))  # type: ignore[arg-type]
     assert last is not None and last["choices"][0] == {
-        "index": 0, "delta": {"content": "日"}, "logprobs": None, "finish_reason": "stop"}
+        "index": 0, "delta": {"content": "日"}, "logprobs": None, "finish_reason": "stop",
+        "stop_reason": None}  # vLLM's: None, the model's EOS
     b.delta(0, _usage(2, 3))
     assert b.usage_chunk()["choices"] == [] and b.usage_chunk()["usage"]["total_tokens"] == 5
 

@@ -142,3 +142,32 @@ def test_skip_special_tokens_and_truncate_prompt_tokens(base_url: str) -> None:
         client.completions.create(model=MODEL, prompt=ids, max_tokens=1,
                                   extra_body={"truncate_prompt_tokens": 0})
     assert bad.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+def test_stop_reason_tells_eos_from_stop_strings_and_stop_tokens(
+        base_url: str, stub: inference_pb2_grpc.InferenceServiceStub) -> None:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    eos = client.chat.completions.create(model=MODEL, messages=question,  # type: ignore[arg-type]
+                                         max_tokens=40, temperature=0).choices[0]
+    assert eos.finish_reason == "stop" and eos.model_extra["stop_reason"] is None  # type: ignore[index]
+    free = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=6, temperature=0,
+                                     extra_body={"return_token_ids": True}).choices[0]
+    word = free.text.split()[0]
+    by_string = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                          max_tokens=6, temperature=0, stop=[word]).choices[0]
+    assert by_string.finish_reason == "stop"
+    assert by_string.model_extra["stop_reason"] == word  # type: ignore[index]
+    token = free.model_extra["token_ids"][1]  # type: ignore[index]
+    streamed = list(client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+        stream=True, extra_body={"stop_token_ids": [token]}))
+    last = streamed[-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == token  # type: ignore[index]
+    # the same over gRPC: the last update of the choice names it
+    request = pb.GenerateRequest(text="The capital of France is", max_tokens=6,
+                                 stop_token_ids=[token])
+    request.sampling.temperature = 0
+    final = [r for r in stub.Generate(request, timeout=60) if r.finish_reason][-1]
+    assert final.WhichOneof("stop_reason") == "stop_token_id" and final.stop_token_id == token

@@ -127,3 +127,29 @@ def test_stop_string_through_the_real_detokenizer() -> None:
             break
     assert stopped and checker.matched == "好 🎉"
     assert "".join(out) == "Let's 🎈 then 你"
+
+
+def test_a_choice_names_what_stopped_it() -> None:
+    """`ChoiceDelta.stop_reason`: the stop string, or a stop token id of the request; None
+    for EOS and for a length finish."""
+    from router.choice import ChoiceState
+    from router.scheduler import FinishReason
+
+    tok = ModelTokenizer.from_dir(default_model_dir())
+    ids = tok.encode("one two three four")
+    prompt = tuple(tok.encode("Count:"))
+
+    def run(stop: tuple[str, ...], verdicts: dict[int, FinishReason],
+            stop_ids: tuple[int, ...] = ()) -> tuple[FinishReason | None, str | int | None]:
+        choice = ChoiceState(0, 1, tok.tokenizer, prompt, stop, False, True,
+                             stop_token_ids=stop_ids)
+        for i, t in enumerate(ids):
+            delta = choice.on_token(t, None, verdicts.get(i))
+            if delta is not None and delta.finish_reason is not None:
+                return delta.finish_reason, delta.stop_reason
+        return None, None
+
+    assert run((" three",), {}) == (FinishReason.STOP, " three")
+    assert run((), {2: FinishReason.STOP}, stop_ids=(ids[2],)) == (FinishReason.STOP, ids[2])
+    assert run((), {2: FinishReason.STOP}) == (FinishReason.STOP, None)  # EOS
+    assert run((), {1: FinishReason.LENGTH}) == (FinishReason.LENGTH, None)
