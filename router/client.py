@@ -192,6 +192,10 @@ class RouterClient:
             metadata=self.metadata)
         return reply.text
 
+    async def abort(self, request_id: str) -> None:
+        """End a running request (any connection's); NOT_FOUND if none has that id."""
+        await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)
+
     async def model_info(self, timeout: float | None = None) -> pb.GetModelInfoResponse:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
                                             metadata=self.metadata)

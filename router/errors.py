@@ -23,6 +23,10 @@ class ModelNotFoundError(LookupError):
     """A request named a model this router does not serve (NOT_FOUND, HTTP 404)."""
 
 
+class RequestNotFoundError(LookupError):
+    """An Abort named a request_id no running request has (NOT_FOUND, HTTP 404)."""
+
+
 class UnavailableError(RuntimeError):
     """Draining, starting, or the pipeline is down past its recovery budget (UNAVAILABLE,
     HTTP 503)."""
@@ -53,7 +57,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The status and message a client sees for `exc`; None for an unexpected error."""
     if isinstance(exc, ValidationError | InvalidRequestError | ChatTemplateError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ModelNotFoundError):
+    if isinstance(exc, ModelNotFoundError | RequestNotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)

@@ -25,6 +25,9 @@ from router.core.messages import (
     FINISH_NONE,
     FINISH_REASONS,
     SEQ_ID_FRONT_SHIFT,
+    Aborted,
+    AbortRequest,
+    AbortResult,
     AddRequest,
     CoreMessage,
     CoreState,
@@ -114,7 +117,8 @@ class Frontend:
         # The transport of each hop between stages, as the core's latest state says.
         self.hop_transports: list[str] = []
         self._stats: dict[int, asyncio.Future[CoreStats]] = {}
-        self._stats_ids = itertools.count()
+        self._aborts: dict[int, asyncio.Future[bool]] = {}
+        self._reply_ids = itertools.count()
 
     # --- requests --------------------------------------------------------------------------
 
@@ -177,6 +181,19 @@ class Frontend:
         self._close(state, None)
         return True
 
+    async def abort_anywhere(self, request_id: str, timeout_s: float = 5.0) -> bool:
+        """Abort a live request by id, on this front or another (the public Abort RPC): its
+        stream ends with finish reason abort and its usage. False if no such request is
+        live."""
+        reply_id = next(self._reply_ids)
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._aborts[reply_id] = future
+        self.endpoint.send(AbortRequest(self.front_id, reply_id, request_id))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._aborts.pop(reply_id, None)
+
     def fail_all(self, kind: FailureKind, message: str) -> None:
         """End every live request with `message` (the router is stopping)."""
         for state in list(self.requests.values()):
@@ -203,6 +220,12 @@ class Frontend:
             future = self._stats.pop(msg.request_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)
+        elif isinstance(msg, Aborted):
+            self._on_aborted(msg.seq_ids)
+        elif isinstance(msg, AbortResult):
+            found = self._aborts.pop(msg.reply_id, None)
+            if found is not None and not found.done():
+                found.set_result(msg.found)
 
     def _on_state(self, msg: CoreState) -> None:
         self.core_ready = msg.ready
@@ -284,6 +307,19 @@ class Frontend:
             self.metrics.itl.observe(now - state.last_update)
         state.last_update = now
 
+    def _on_aborted(self, seq_ids: list[int]) -> None:
+        """The core aborted these sequences (an Abort call): each choice ends with finish
+        reason abort; the request's stream ends with its usage once none is left."""
+        for seq_id in seq_ids:
+            state = self.seq_owner.get(seq_id)
+            if state is None or state.done or state.choices[seq_id].finished:
+                continue
+            choice = state.choices[seq_id]
+            if choice.holds and (held := choice.take_held()) is not None:
+                state.pending.append(held)
+            state.unfinished -= 1
+            self._emit(state, choice.abort())
+
     def _fail_seqs(self, seq_ids: list[int], kind: FailureKind, message: str) -> None:
         states = {id(s): s for s in (self.seq_owner.get(q) for q in seq_ids) if s is not None}
         for state in states.values():
@@ -335,7 +371,7 @@ class Frontend:
         """The core's counters and every stage's live usage, within `timeout_s`: the core
         gives each stage's Describe at most 2 s and at most 80 % of it (a stage that does not
         answer in time is reported not ready)."""
-        request_id = next(self._stats_ids)
+        request_id = next(self._reply_ids)
         future: asyncio.Future[CoreStats] = asyncio.get_running_loop().create_future()
         self._stats[request_id] = future
         self.endpoint.send(StatsRequest(self.front_id, request_id,

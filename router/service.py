@@ -29,6 +29,7 @@ from router.convert import delta_to_proto, generate_from_proto, prompt_from_prot
 from router.core.messages import ServedInfo
 from router.errors import (
     ModelNotFoundError,
+    RequestNotFoundError,
     UnavailableError,
     abort_with_status,
     failure_error,
@@ -38,7 +39,12 @@ from router.errors import (
 from router.frontend import Frontend
 from router.outputs import ChoiceDelta, RequestDone, RequestFailed
 from router.requests import GenerateRequest
-from router.validation import validate_prompt, validate_request, validate_token_ids
+from router.validation import (
+    ValidationError,
+    validate_prompt,
+    validate_request,
+    validate_token_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         ids = validate_token_ids(request.token_ids, served.info.limits)
         return pb.DetokenizeResponse(text=self.tokenizer.decode(
             ids, skip_special_tokens=request.skip_special_tokens))
+
+    @unary_errors
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        self._model()
+        if not request.request_id:
+            raise ValidationError("request_id", "request_id must not be empty")
+        if not await self.front.abort_anywhere(request.request_id):
+            raise RequestNotFoundError(f"no running request has request_id "
+                                       f"{request.request_id!r}")
+        return pb.AbortResponse()
 
     @unary_errors
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,

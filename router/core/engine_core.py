@@ -22,10 +22,12 @@ from router.core.config import CoreConfig
 from router.core.ledger import Ledger
 from router.core.messages import (
     FINISH_STOP,
+    Aborted,
+    AbortRequest,
+    AbortResult,
     AddRequest,
     CoreMessage,
     CoreState,
-    CoreStats,
     Failed,
     FinishSeqs,
     FrontGone,
@@ -35,13 +37,13 @@ from router.core.messages import (
     Refused,
     ServedInfo,
     Shutdown,
-    StageStat,
     StatsRequest,
     duplicate_request_message,
     front_of,
     pack_outputs,
 )
 from router.core.request_trace import StepTraces
+from router.core.stats import core_stats, stage_stats
 from router.metrics import CoreMetrics
 from router.pipeline import Pipeline, PipelineShape, PipelineState, StepOutcome
 from router.scheduler import (
@@ -153,6 +155,8 @@ class EngineCore:
             self._hello(msg)
         elif isinstance(msg, StatsRequest):
             asyncio.create_task(self._stats(msg))  # noqa: RUF006 (answers on its own)
+        elif isinstance(msg, AbortRequest):
+            self._abort_request(msg)
         elif isinstance(msg, FrontGone):
             self._drop_front(msg.front)
         elif isinstance(msg, Shutdown):
@@ -233,6 +237,18 @@ class EngineCore:
         for seq_id in msg.seq_ids:
             if self.ledger.end(seq_id, aborted) is not None and self.scheduler is not None:
                 self.scheduler.finish(seq_id, reason)
+
+    def _abort_request(self, msg: AbortRequest) -> None:
+        """The public Abort: end a request's sequences wherever it runs; its front ends the
+        stream, the asking front answers the caller."""
+        seq_ids = self.ledger.live_seqs(msg.request_id)
+        for seq_id in seq_ids:
+            self.ledger.end(seq_id, aborted=True)
+            if self.scheduler is not None:
+                self.scheduler.abort(seq_id)
+        if seq_ids and front_of(seq_ids[0]) not in self._gone_fronts:
+            self.sink.send(front_of(seq_ids[0]), Aborted(seq_ids))
+        self.sink.send(msg.front, AbortResult(msg.reply_id, bool(seq_ids)))
 
     def _down_past_budget(self) -> bool:
         return (self.pipeline.state is not PipelineState.READY and self._down_since is not None
@@ -381,20 +397,6 @@ class EngineCore:
 
     async def _stats(self, msg: StatsRequest) -> None:
         assert self.scheduler is not None
-        stats = self.scheduler.stats()
-        kv = stats.kv
-        ready = self.ready
-        stages = []
-        infos = await self.pipeline.stage_stats(msg.stage_timeout_s)
-        hops = self.pipeline.hop_transports
-        for i, info in enumerate(infos):
-            hop = hops[i] if i < len(hops) else ""  # the last stage has no hop
-            stages.append(StageStat(i, False, transport=hop) if info is None else StageStat(
-                i, ready, info.layer_start, info.layer_end, info.kv_blocks_used,
-                info.num_kv_blocks, info.num_sequences, hop, info.device, info.steps,
-                info.step_time_ms, info.bubble_fraction))
-        self.sink.send(msg.front, CoreStats(
-            msg.request_id, stats.num_waiting, stats.num_running, kv.num_used_blocks,
-            kv.num_blocks, kv.num_cached_free_blocks, kv.prefix_query_tokens,
-            kv.prefix_hit_tokens, self.steps, stages, self.ledger.requests_finished,
-            dict(self.ledger.finished_by_front), sorted(self.fronts)))
+        stages = await stage_stats(self.pipeline, self.ready, msg.stage_timeout_s)
+        self.sink.send(msg.front, core_stats(msg, self.scheduler.stats(), stages, self.steps,
+                                             self.ledger, self.fronts))

@@ -14,11 +14,13 @@ class LiveRequest:
     or failed, so it does not count as finished. trace: the core's record of it when the
     front traces it (`request_trace`), else None."""
 
-    __slots__ = ("aborted", "live", "request_id", "trace")
+    __slots__ = ("aborted", "live", "request_id", "seq_ids", "trace")
 
-    def __init__(self, request_id: str, live: int, trace: RequestTrace | None = None) -> None:
+    def __init__(self, request_id: str, seq_ids: tuple[int, ...],
+                 trace: RequestTrace | None = None) -> None:
         self.request_id = request_id
-        self.live = live
+        self.seq_ids = seq_ids  # one per choice
+        self.live = len(seq_ids)
         self.aborted = False
         self.trace = trace
 
@@ -66,10 +68,15 @@ class Ledger:
         span's) when the front traces it. The caller checked `is_live(request_id)` first."""
         trace = RequestTrace(traceparent) if traceparent else None
         self.traced += trace is not None
-        request = LiveRequest(request_id, len(seq_ids), trace)
+        request = LiveRequest(request_id, tuple(seq_ids), trace)
         self._requests[request_id] = request
         for seq_id, wants_logprobs in zip(seq_ids, logprobs, strict=True):
             self.rules[seq_id] = SeqRules(request, max_tokens, stop_ids, wants_logprobs)
+
+    def live_seqs(self, request_id: str) -> list[int]:
+        """The live sequences of a live request ([] if it is not live)."""
+        request = self._requests.get(request_id)
+        return [] if request is None else [s for s in request.seq_ids if s in self.rules]
 
     def end(self, seq_id: int, aborted: bool) -> SeqRules | None:
         """Forget a sequence (its request too, once its last sequence ended; it counts as

@@ -92,7 +92,18 @@ class FrontGone(msgspec.Struct, tag=True, array_like=True):
     front: int
 
 
-FrontMessage = Hello | AddRequest | FinishSeqs | StatsRequest | Shutdown | FrontGone
+class AbortRequest(msgspec.Struct, tag=True, array_like=True):
+    """Abort the live request `request_id`, whichever front runs it (the public Abort RPC):
+    the core ends its sequences, tells the front that owns it (`Aborted`) and answers the
+    asking one (`AbortResult`, by `reply_id`)."""
+
+    front: int
+    reply_id: int
+    request_id: str
+
+
+FrontMessage = (Hello | AddRequest | FinishSeqs | StatsRequest | Shutdown | FrontGone
+                | AbortRequest)
 
 
 def duplicate_request_message(request_id: str) -> str:
@@ -215,7 +226,21 @@ class CoreStats(msgspec.Struct, tag=True, array_like=True):
     fronts: list[int] = []
 
 
-CoreMessage = StepOutputs | Refused | Failed | CoreState | CoreStats
+class Aborted(msgspec.Struct, tag=True, array_like=True):
+    """Sequences the core aborted for an `AbortRequest`: their front ends them (finish
+    abort, no FinishSeqs back) and, once none of its request is left, the request's stream."""
+
+    seq_ids: list[int]
+
+
+class AbortResult(msgspec.Struct, tag=True, array_like=True):
+    """Whether the request of an `AbortRequest` was live (and is now aborted)."""
+
+    reply_id: int
+    found: bool
+
+
+CoreMessage = StepOutputs | Refused | Failed | CoreState | CoreStats | Aborted | AbortResult
 
 
 def pack_outputs(seq_ids: list[int], token_ids: list[int], finish: list[int],

@@ -170,6 +170,37 @@ def test_a_request_id_live_on_one_front_is_refused_on_the_other(model_dir: Path)
     asyncio.run(run())
 
 
+def test_abort_by_request_id_from_another_front(model_dir: Path) -> None:
+    """The public Abort, called on one front for a request streaming on the other (and on
+    the same one): every choice of the stream ends with finish reason abort, then the usage;
+    KV goes back to idle; a second Abort and an unknown id are NOT_FOUND."""
+    async def run() -> None:
+        async with in_process_mesh(null_stages(model_dir, 2), api_processes=2) as mesh:
+            (first,), (second,) = await clients_on(mesh, 0, 1), await clients_on(mesh, 1, 1)
+            for owner, caller in ((first, second), (second, second)):
+                stream = owner.generate(prompt="long", max_tokens=4000, ignore_eos=True, n=2,
+                                        request_id="victim")
+                chunks = [await stream.__anext__()]  # admitted and streaming
+                await caller.abort("victim")
+                chunks += [c async for c in stream]
+                finishes = [c.finish_reason for c in chunks if c.finish_reason]
+                assert sorted(finishes) == ["abort", "abort"], finishes
+                usage = chunks[-1].usage
+                assert usage is not None and usage["completion_tokens"] == sum(
+                    len(c.token_ids) for c in chunks) < 4000 * 2
+                await wait_idle(caller, mesh.stage_sequences)
+                with pytest.raises(grpc.aio.AioRpcError) as gone:
+                    await caller.abort("victim")
+                assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+                assert "'victim'" in (gone.value.details() or "")
+            done = await first.complete(prompt="after", max_tokens=4, ignore_eos=True,
+                                        request_id="victim")  # the id is free again
+            assert done.finish_reasons == ["length"]
+            await close_all([first, second])
+
+    asyncio.run(run())
+
+
 async def _until_broken(stream: AsyncIterator[Chunk]) -> grpc.StatusCode:
     try:
         async for _ in stream:
