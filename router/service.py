@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -78,19 +79,49 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
         """Writes each update with `context.write` (no async-generator hop per message: this
-        runs once per token per stream); exceptions become statuses (`status_for`). Every
-        call ends with one audit line (`router.audit`)."""
+        runs once per token per stream)."""
+        await self._generate(request, context, context.write, "Generate")
+
+    async def Complete(self, request: pb.CompleteRequest,
+                       context: grpc.aio.ServicerContext) -> pb.CompleteResponse:
+        """Generate's work, answered once: every choice whole, then the usage."""
+        reply = pb.CompleteResponse()
+        choices: dict[int, pb.CompletionChoice] = {}
+
+        async def collect(msg: pb.GenerateResponse) -> None:
+            reply.request_id = msg.request_id
+            if msg.HasField("usage"):
+                reply.usage.CopyFrom(msg.usage)
+                return
+            choice = choices.setdefault(msg.index, pb.CompletionChoice(index=msg.index))
+            choice.text += msg.text
+            choice.token_ids.extend(msg.token_ids)
+            choice.logprobs.extend(msg.logprobs)
+            if msg.finish_reason:
+                choice.finish_reason = msg.finish_reason
+            if (kind := msg.WhichOneof("stop_reason")) is not None:
+                setattr(choice, kind, getattr(msg, kind))
+
+        await self._generate(request.request, context, collect, "Complete")
+        reply.choices.extend(choices[i] for i in sorted(choices))
+        return reply
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        write: Callable[[pb.GenerateResponse], Awaitable[None]],
+                        method: str) -> None:
+        """Run one request, handing each update to `write`; exceptions become statuses
+        (`status_for`). Every call ends with one audit line (`router.audit`)."""
         audit = self.audit
         record = AuditRecord(context.peer(), key_id(context.invocation_metadata()),
                              request.model or self.model_name, request.request_id)
-        span = _generate_span(request, record.model, context)
+        span = _generate_span(request, record.model, context, method)
         try:
             served = self._model(request.model)
             if self.draining:
                 raise UnavailableError("the router is draining; retry on another replica")
             req = validate_request(generate_from_proto(request), served.info.limits,
                                    self.tokenizer)
-            write, request_id = context.write, req.request_id
+            request_id = req.request_id
             record.request_id, record.prompt_tokens = request_id, len(req.prompt_token_ids)
             if span is not None:
                 _request_attributes(span, req)
@@ -202,7 +233,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 
 def _generate_span(request: pb.GenerateRequest, model: str,
-                   context: grpc.aio.ServicerContext) -> Span | None:
+                   context: grpc.aio.ServicerContext, method: str = "Generate") -> Span | None:
     """The call's span (None when tracing is off), a child of the caller's trace context
     (the gateway's, or a client's `traceparent` metadata), named and attributed as
     OpenTelemetry's GenAI conventions say."""
@@ -215,7 +246,7 @@ def _generate_span(request: pb.GenerateRequest, model: str,
         kind=SpanKind.SERVER, attributes={
             "gen_ai.operation.name": operation, "gen_ai.system": "stagemesh",
             "gen_ai.request.model": model, "rpc.system": "grpc",
-            "rpc.service": "stagemesh.v1.InferenceService", "rpc.method": "Generate"})
+            "rpc.service": "stagemesh.v1.InferenceService", "rpc.method": method})
 
 
 def _request_attributes(span: Span, req: GenerateRequest) -> None:

@@ -5,6 +5,7 @@ continuous_usage_stats, skip_special_tokens, truncate_prompt_tokens), against th
 
 from __future__ import annotations
 
+import grpc
 import httpx2 as httpx
 import openai
 import pytest
@@ -171,3 +172,35 @@ def test_stop_reason_tells_eos_from_stop_strings_and_stop_tokens(
     request.sampling.temperature = 0
     final = [r for r in stub.Generate(request, timeout=60) if r.finish_reason][-1]
     assert final.WhichOneof("stop_reason") == "stop_token_id" and final.stop_token_id == token
+
+
+def test_unary_complete_equals_the_stream(stub: inference_pb2_grpc.InferenceServiceStub
+                                          ) -> None:
+    """Complete answers once with what Generate streams: the same greedy text and token ids
+    per choice, finish and stop reasons, and usage; its errors are Generate's."""
+    request = pb.GenerateRequest(text="The capital of France is", max_tokens=8, n=2,
+                                 logprobs=1, stop=[" city"])
+    request.sampling.temperature = 0
+    streamed: dict[int, list[pb.GenerateResponse]] = {}
+    usage = None
+    for r in stub.Generate(request, timeout=60):
+        if r.HasField("usage"):
+            usage = r.usage
+        else:
+            streamed.setdefault(r.index, []).append(r)
+    whole = stub.Complete(pb.CompleteRequest(request=request), timeout=60)
+    assert whole.usage == usage and whole.request_id
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        parts = streamed[choice.index]
+        assert choice.text == "".join(p.text for p in parts)
+        assert list(choice.token_ids) == [t for p in parts for t in p.token_ids]
+        assert len(choice.logprobs) == len(choice.token_ids)
+        assert choice.finish_reason == parts[-1].finish_reason
+        assert choice.WhichOneof("stop_reason") == parts[-1].WhichOneof("stop_reason")
+    bad = pb.GenerateRequest(text="x")
+    bad.sampling.temperature = -1
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Complete(pb.CompleteRequest(request=bad), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in (info.value.details() or "")
