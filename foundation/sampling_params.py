@@ -17,6 +17,9 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 # OpenAI's range for presence_penalty and frequency_penalty.
 MAX_ABS_OPENAI_PENALTY = 2.0
+# OpenAI's limits on logit_bias: a bias in [-100, 100], at most 300 tokens.
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
 
 # torch.Generator.manual_seed accepts any integer in this range.
 _SEED_MIN = -(2**63)
@@ -48,6 +51,10 @@ class SamplingParams:
         logit -= presence * (count > 0) + frequency * count; 0 is off.
     logprobs: None returns no log-probabilities; k >= 0 returns the sampled token's
         log-probability plus the k most likely alternatives.
+    min_tokens: no id of `banned_until_min` is sampled before this many outputs (vLLM's:
+        the router fills that with the EOS ids and the request's stop_token_ids).
+    logit_bias: (token id, bias) pairs added to those logits before sampling (OpenAI's;
+        log-probabilities stay the model's).
     """
 
     temperature: float = 1.0
@@ -59,6 +66,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    min_tokens: int = 0
+    banned_until_min: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -102,6 +112,17 @@ class SamplingParams:
                 _fail(name, f"must be in [{-limit}, {limit}], got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             _fail("logprobs", f"must be None or in [0, {max_logprobs}], got {self.logprobs}")
+        if self.min_tokens < 0:
+            _fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            _fail("logit_bias", f"may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                                f"got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not 0 <= token < vocab_size:
+                _fail("logit_bias", f"token {token} is outside the vocabulary [0, {vocab_size})")
+            if not (math.isfinite(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS):
+                _fail("logit_bias", f"bias of token {token} must be in "
+                                    f"[{-MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}], got {bias}")
 
 
 def _fail(field: str, what: str) -> NoReturn:

@@ -37,7 +37,7 @@ _ROUTER_FIELDS = frozenset({
     "prompt", "prompt_token_ids", "messages", "input", "max_tokens", "temperature", "top_p",
     "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "logprobs", "n", "stop", "stop_token_ids", "priority", "request_id", "token_ids",
-    "truncate_prompt_tokens"})
+    "truncate_prompt_tokens", "min_tokens", "logit_bias"})
 
 
 class APIError(Exception):

@@ -2,7 +2,7 @@
 
 Field types are checked here (`gateway.fields`); value ranges are left to the router, which
 names the field and the limit. Features the router cannot honour (echo, suffix, best_of > n,
-logit_bias, tools, a non-text response_format) are refused with 400 rather than ignored.
+tools, a non-text response_format) are refused with 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class GenerationSpec:
 
 def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
     f = Fields(body)
-    _refuse_unsupported(f, echo=False, suffix="", logit_bias={})
+    _refuse_unsupported(f, echo=False, suffix="")
     n = f.integer("n")
     best_of = f.integer("best_of")
     if best_of is not None and best_of != (n or 1):
@@ -81,7 +81,7 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
 
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:
     f = Fields(body)
-    _refuse_unsupported(f, logit_bias={}, tools=[])
+    _refuse_unsupported(f, tools=[])
     _check_tool_choice_and_format(f)
     messages = parse_messages(f.array("messages"))
     logprobs = None
@@ -135,7 +135,25 @@ def _common_options(f: Fields) -> dict[str, Any]:
     options["include_stop_str_in_output"] = bool(f.boolean("include_stop_str_in_output"))
     options["skip_special_tokens"] = f.boolean("skip_special_tokens")
     options["truncate_prompt_tokens"] = f.integer("truncate_prompt_tokens")
+    options["min_tokens"] = f.integer("min_tokens")
+    options["logit_bias"] = _logit_bias(f)
     return options
+
+
+def _logit_bias(f: Fields) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object of token id (a decimal string) -> bias."""
+    value = f.obj("logit_bias")
+    if value is None:
+        return None
+    out = {}
+    for key in value.body:
+        if not key.lstrip("-").isdigit():
+            raise invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        bias = value.number(key)
+        if bias is None:
+            raise wrong_type(f"logit_bias.{key}", "a number", None)
+        out[int(key)] = bias
+    return out
 
 
 def _refuse_unsupported(f: Fields, **defaults: Any) -> None:

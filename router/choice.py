@@ -28,10 +28,14 @@ class ChoiceState:
     def __init__(self, index: int, seq_id: int, tokenizer: Tokenizer,
                  prompt_token_ids: tuple[int, ...], stop: tuple[str, ...],
                  include_stop_str: bool, skip_special_tokens: bool,
-                 hold_tokens: bool = False, stop_token_ids: tuple[int, ...] = ()) -> None:
-        """`stop_token_ids`: the request's own (not EOS), to name one in `stop_reason`."""
+                 hold_tokens: bool = False, stop_token_ids: tuple[int, ...] = (),
+                 min_tokens: int = 0) -> None:
+        """`stop_token_ids`: the request's own (not EOS), to name one in `stop_reason`;
+        `min_tokens`: no stop string is looked for before this many tokens (vLLM's)."""
         self.index = index
         self.stop_token_ids = stop_token_ids
+        self.min_tokens = min_tokens
+        self.generated = 0
         self.seq_id = seq_id
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = StopChecker(stop, include_stop_str)
@@ -55,11 +59,15 @@ class ChoiceState:
                 self._held_logprobs.append(logprob)
             return None
         ids, logprobs = self._take(token_id, logprob)
+        self.generated += len(ids)
         if verdict is FinishReason.STOP:  # a stop token: no text of its own
             return self._finish(FinishReason.STOP, ids, logprobs,
                                 self.detok.push_many(ids[:-1]) if len(ids) > 1 else "",
                                 token_id if token_id in self.stop_token_ids else None)
-        text, stopped = self.stop.process(self.detok.push_many(ids))
+        if self.generated < self.min_tokens:  # too early for a stop string
+            text, stopped = self.detok.push_many(ids), False
+        else:
+            text, stopped = self.stop.process(self.detok.push_many(ids))
         if stopped:
             self.finish_reason = FinishReason.STOP
             return ChoiceDelta(self.index, text, ids, logprobs, FinishReason.STOP,

@@ -20,7 +20,7 @@ from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed")
+                    "presence_penalty", "frequency_penalty", "seed", "min_tokens", "logit_bias")
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     elif token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     for key, value in sampling.items():
-        if value is not None:
+        if key == "logit_bias":
+            req.sampling.logit_bias.update(value or {})
+        elif value is not None:
             setattr(req.sampling, key, value)
     if max_tokens is not None:
         req.max_tokens = max_tokens

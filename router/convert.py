@@ -39,6 +39,8 @@ def sampling_from_proto(msg: pb.SamplingParams, logprobs: int | None) -> Samplin
         presence_penalty=float(_opt(msg, "presence_penalty", 0.0)),  # type: ignore[arg-type]
         frequency_penalty=float(_opt(msg, "frequency_penalty", 0.0)),  # type: ignore[arg-type]
         seed=seed, logprobs=logprobs,
+        min_tokens=msg.min_tokens if msg.HasField("min_tokens") else 0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -133,17 +133,21 @@ class Frontend:
         if req.request_id in self.requests:
             raise DuplicateRequestError(duplicate_request_message(req.request_id))
         seq_ids = [next(self._seq_ids) for _ in range(req.n)]
-        sampling = [req.sampling] * req.n
-        if req.sampling.seed is not None:  # choices of one seeded request must differ
-            sampling = [replace(req.sampling, seed=req.sampling.seed + i) for i in range(req.n)]
         stop_ids = set(req.stop_token_ids)
         if not req.ignore_eos:
             stop_ids |= set(self.tokenizer.special.eos_ids)
+        params = req.sampling
+        if params.min_tokens:  # the last stage bans the ids that would end it early
+            params = replace(params, banned_until_min=tuple(sorted(stop_ids)))
+        sampling = [params] * req.n
+        if params.seed is not None:  # choices of one seeded request must differ
+            sampling = [replace(params, seed=params.seed + i) for i in range(req.n)]
         state = RequestState(req, {
             seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
                              req.include_stop_str_in_output, req.skip_special_tokens,
                              hold_tokens=self.stream_interval > 1,
-                             stop_token_ids=req.stop_token_ids)
+                             stop_token_ids=req.stop_token_ids,
+                             min_tokens=req.sampling.min_tokens)
             for i, seq in enumerate(seq_ids)
         }, unfinished=req.n, arrived=time.monotonic())
         self.requests[req.request_id] = state

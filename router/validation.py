@@ -77,6 +77,9 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
                      limits.max_model_len - 1)
     prompt_ids = validate_prompt(raw.prompt, limits, tokenizer, raw.truncate_prompt_tokens)
     max_tokens = fit_max_tokens(len(prompt_ids), raw.max_tokens, limits)
+    if raw.sampling.min_tokens > max_tokens:
+        _fail("min_tokens", f"min_tokens ({raw.sampling.min_tokens}) must not exceed "
+                            f"max_tokens ({max_tokens})")
     return GenerateRequest(
         request_id=raw.request_id,
         prompt_token_ids=prompt_ids,

@@ -25,6 +25,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        min_tokens=msg.min_tokens, banned_until_min=tuple(msg.banned_until_min),
+        logit_bias=tuple(zip(msg.logit_bias_ids, msg.logit_bias_values, strict=True)),
     )
 
 

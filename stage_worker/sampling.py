@@ -5,7 +5,8 @@ One step samples every sequence of the batch at once, on tensors. The order, per
 1. raw logprobs = log_softmax(raw logits): what `logprobs` reports (vLLM's default
    "raw" logprobs), so they describe the model, not the sampling settings;
 2. repetition penalty over prompt + output tokens, then presence and frequency
-   penalties over output tokens;
+   penalties over output tokens; then the logit biases, and -inf for the ids a row may not
+   sample yet (`min_tokens`);
 3. greedy rows take the argmax of these penalised logits; the others go on:
 4. temperature, then top-k, top-p and min-p masks (`apply_top_k_top_p_min_p`);
 5. a draw by the exponential race argmax(probs / q), q ~ Exp(1), equivalent to sampling
@@ -73,6 +74,9 @@ class SamplingBatch:
     seeded_rows: tuple[tuple[int, int], ...]  # (row, noise_seed) of seeded, non-greedy rows
     any_unseeded_random: bool
     max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None if nobody
+    # Sparse additions to the logits: (rows [N] int64, ids [N] int64, values [N] float32),
+    # the logit biases and -inf for ids banned until min_tokens; None if no row has any.
+    adjust: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -129,7 +133,30 @@ class SamplingBatch:
             ),
             any_unseeded_random=any(p.seed is None for p in random_rows),
             max_num_logprobs=max(requested) if requested else None,
+            adjust=_build_adjust(params, output_indices, device),
         )
+
+
+def _build_adjust(params: Sequence[SamplingParams], output_indices: Sequence[int],
+                  device: torch.device | str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            for token, bias in p.logit_bias:
+                rows.append(row)
+                ids.append(token)
+                values.append(bias)
+        if p.min_tokens and output_indices[row] < p.min_tokens:
+            rows += [row] * len(p.banned_until_min)
+            ids += p.banned_until_min
+            values += [float("-inf")] * len(p.banned_until_min)
+    if not rows:
+        return None
+    packed = to_device([rows, ids], torch.int64, torch.device(device))
+    return packed[0], packed[1], to_device(values, torch.float32, torch.device(device))
 
 
 def _build_penalties(
@@ -250,13 +277,17 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.num_seqs:
             raise ValueError(f"logits must be [{batch.num_seqs}, V], got {list(logits.shape)}")
         logits = logits.float()  # compute in float32 whatever the model's dtype
-        if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None:
+        if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None \
+                and batch.adjust is None:
             return _output(logits.argmax(dim=-1), None, 0)  # fast path: nothing else to do
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)  # [S, V]
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
+        if batch.adjust is not None:
+            rows, ids, values = batch.adjust
+            logits = logits.index_put((rows, ids), values, accumulate=True)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:

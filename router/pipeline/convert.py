@@ -32,6 +32,12 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.min_tokens:
+        msg.min_tokens = p.min_tokens
+        msg.banned_until_min.extend(p.banned_until_min)
+    if p.logit_bias:
+        msg.logit_bias_ids.extend(t for t, _ in p.logit_bias)
+        msg.logit_bias_values.extend(b for _, b in p.logit_bias)
     return msg
 
 

@@ -79,7 +79,9 @@ COMPLETION_TYPES = [
      "stream_options.include_usage"),
     ({"prompt": "hi", "echo": True}, "echo"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
-    ({"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"one": 5}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"1": "x"}}, "logit_bias.1"),
+    ({"prompt": "hi", "min_tokens": 1.5}, "min_tokens"),
     ({"prompt": "hi", "model": 7}, "model"),
 ]
 CHAT_TYPES = [

@@ -204,3 +204,32 @@ def test_unary_complete_equals_the_stream(stub: inference_pb2_grpc.InferenceServ
         stub.Complete(pb.CompleteRequest(request=bad), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "temperature" in (info.value.details() or "")
+
+
+def test_logit_bias_and_min_tokens_through_the_mesh(base_url: str) -> None:
+    """OpenAI's logit_bias and vLLM's min_tokens reach the last stage's sampler: a +100
+    bias makes greedy decoding repeat that token; min_tokens keeps EOS (and stop strings)
+    away until that many tokens."""
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    forced = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+        logit_bias={"1234": 100}, extra_body={"return_token_ids": True}).choices[0]
+    assert forced.model_extra["token_ids"] == [1234] * 5  # type: ignore[index]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    short = client.chat.completions.create(model=MODEL, messages=question,  # type: ignore[arg-type]
+                                           max_tokens=60, temperature=0)
+    assert short.choices[0].finish_reason == "stop"  # EOS well before 60 tokens
+    assert short.usage is not None and short.usage.completion_tokens < 40
+    long = client.chat.completions.create(model=MODEL, messages=question,  # type: ignore[arg-type]
+                                          max_tokens=60, temperature=0,
+                                          extra_body={"min_tokens": 50})
+    assert long.usage is not None and long.usage.completion_tokens >= 50
+    answer = short.choices[0].message.content or ""
+    early = client.chat.completions.create(
+        model=MODEL, messages=question, max_tokens=60, temperature=0,  # type: ignore[arg-type]
+        stop=[answer.split()[0]], extra_body={"min_tokens": 50})
+    assert (early.choices[0].message.content or "").startswith(answer.split()[0])
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"min_tokens": 3})
+    assert bad.value.body["param"] == "min_tokens"  # type: ignore[index]
