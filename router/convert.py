@@ -7,7 +7,7 @@ import uuid
 
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.v1 import inference_pb2 as pb
-from router.outputs import ChoiceDelta, Usage
+from router.outputs import ChoiceDelta, RequestTiming, Usage
 from router.requests import (
     ChatMessage,
     ChatPrompt,
@@ -104,7 +104,13 @@ def _delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
                                finish_reason=_FINISH[delta.finish_reason])
 
 
-def usage_to_proto(request_id: str, usage: Usage) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id=request_id, usage=pb.Usage(
+def usage_to_proto(request_id: str, usage: Usage,
+                   timing: RequestTiming | None = None) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(request_id=request_id, usage=pb.Usage(
         prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens))
+    if timing is not None:
+        out.timing.queue_ms = timing.queue_s * 1e3
+        out.timing.prefill_ms = timing.prefill_s * 1e3
+        out.timing.decode_ms = timing.decode_s * 1e3
+    return out

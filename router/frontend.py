@@ -49,6 +49,7 @@ from router.outputs import (
     FailureKind,
     RequestDone,
     RequestFailed,
+    RequestTiming,
     StreamItem,
     TokenLogprob,
     Usage,
@@ -89,6 +90,9 @@ class RequestState:
     pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
     pending_tokens: int = 0  # in `pending` and held by the choices
     arrived: float = 0.0  # time.monotonic() at submit
+    arrived_wall: float = 0.0  # time.time() at submit (the core's clock for `scheduled`)
+    scheduled: float = 0.0  # time.time() its first prefill chunk was planned (0: unknown)
+    first_token: float = 0.0  # time.time() its first token came back
     first_update: float | None = None  # when its first update with tokens was queued
     last_update: float = 0.0  # when its latest one was
 
@@ -149,7 +153,7 @@ class Frontend:
                              stop_token_ids=req.stop_token_ids,
                              min_tokens=req.sampling.min_tokens)
             for i, seq in enumerate(seq_ids)
-        }, unfinished=req.n, arrived=time.monotonic())
+        }, unfinished=req.n, arrived=time.monotonic(), arrived_wall=time.time())
         self.requests[req.request_id] = state
         for seq in seq_ids:
             self.seq_owner[seq] = state
@@ -243,10 +247,11 @@ class Frontend:
 
     def _on_outputs(self, msg: StepOutputs) -> None:
         seq_ids, token_ids, finish = msg.unpack()
-        for seq_id, cached in msg.cached:
+        for seq_id, cached, planned in msg.cached:
             state = self.seq_owner.get(seq_id)
             if state is not None and state.cached_prompt_tokens < 0:
                 state.cached_prompt_tokens = cached
+                state.scheduled = planned
         logprobs = {e.seq_id: TokenLogprob(e.token_id, e.logprob, tuple(e.top))
                     for e in msg.logprobs}
         stopped: list[int] = []
@@ -260,6 +265,8 @@ class Frontend:
             delta = choice.on_token(token, logprobs.get(seq_id) if logprobs else None,
                                     FINISH_REASONS.get(code) if code else None)
             state.completion_tokens += 1
+            if not state.first_token:
+                state.first_token = time.time()
             if delta is None:  # held, to be decoded with the next update's tokens
                 state.pending_tokens += 1
                 if state.pending_tokens >= self.stream_interval:
@@ -284,7 +291,7 @@ class Frontend:
         if done:
             usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
                           max(0, state.cached_prompt_tokens))
-            self._close(state, RequestDone(usage))
+            self._close(state, RequestDone(usage, _timing(state)))
 
     def _flush(self, state: RequestState) -> None:
         """Queue everything the request accumulated (pending deltas, then the tokens its
@@ -393,3 +400,12 @@ class Frontend:
         """Tell the core that front `front`'s process ended (the router supervises them):
         it aborts that front's sequences."""
         self.endpoint.send(FrontGone(front))
+
+
+def _timing(state: RequestState) -> RequestTiming:
+    """The request's queue, prefill and decode times (`RequestTiming`), now that it ends."""
+    end = time.time()
+    scheduled = state.scheduled or state.arrived_wall
+    first = state.first_token or end
+    return RequestTiming(max(0.0, scheduled - state.arrived_wall), max(0.0, first - scheduled),
+                         end - first)

@@ -42,6 +42,18 @@ class RequestDone:
     """The last item of a request's stream when it completed (every choice finished)."""
 
     usage: Usage
+    timing: RequestTiming | None = None
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where a request's time went, in seconds: queued (arrival at the front to its first
+    prefill chunk planned by the engine core), prefill (that to its first token back at the
+    front), decode (first token to the last)."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
 
 
 class FailureKind(Enum):

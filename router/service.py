@@ -92,6 +92,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             reply.request_id = msg.request_id
             if msg.HasField("usage"):
                 reply.usage.CopyFrom(msg.usage)
+                reply.timing.CopyFrom(msg.timing)
                 return
             choice = choices.setdefault(msg.index, pb.CompletionChoice(index=msg.index))
             choice.text += msg.text
@@ -148,7 +149,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                             record.output[item.index] = (record.output.get(item.index, "")
                                                          + item.text)
                     elif isinstance(item, RequestDone):
-                        await write(usage_to_proto(request_id, item.usage))
+                        await write(usage_to_proto(request_id, item.usage, item.timing))
                         record.completion_tokens = item.usage.completion_tokens
                     elif isinstance(item, RequestFailed):
                         raise failure_error(item)

@@ -78,7 +78,7 @@ class FrontBatch:
         self.token_ids: list[int] = []
         self.finish: list[int] = []
         self.logprobs: list[LogprobEntry] = []
-        self.cached: list[tuple[int, int]] = []
+        self.cached: list[tuple[int, int, float]] = []
 
 
 class EngineCore:
@@ -102,7 +102,7 @@ class EngineCore:
         self.fronts: set[int] = set()  # said hello, not gone
         self._gone_fronts: set[int] = set()
         self.steps = 0
-        self._cached: dict[int, list[tuple[int, int]]] = {}  # front -> not yet reported
+        self._cached: dict[int, list[tuple[int, int, float]]] = {}  # front -> not reported
         self._wake = asyncio.Event()
         self.stopped = asyncio.Event()  # a front said Shutdown
         self._sent_at: dict[int, float] = {}
@@ -287,13 +287,14 @@ class EngineCore:
         return outstanding == 0 or limit - outstanding >= max(1, limit // 2)
 
     def _note_prefix_hits(self, plan: StepPlan) -> None:
-        """A sequence's first prefill starts at its prefix-cache hits; reported once."""
+        """A sequence's first prefill starts at its prefix-cache hits, now (its queue time
+        ends); reported once."""
         for seq in plan.new_seqs:
             rules = self.ledger.rules.get(seq.seq_id)
             if rules is not None and not rules.reported_cached:
                 rules.reported_cached = True
                 self._cached.setdefault(front_of(seq.seq_id), []).append(
-                    (seq.seq_id, seq.num_computed_tokens))
+                    (seq.seq_id, seq.num_computed_tokens, time.time()))
 
     def _on_outcome(self, outcome: StepOutcome) -> None:
         sent = self._sent_at.pop(outcome.step_id, None)

@@ -127,14 +127,15 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
 
     seq_ids / token_ids: packed int64 (`array("q")`), aligned; finish: packed int8, aligned,
     a FINISH_* code. logprobs: only for sequences that asked for them. cached: (seq_id,
-    prompt tokens found in the prefix cache) of sequences whose first prefill was planned.
+    prompt tokens found in the prefix cache, when its first prefill chunk was planned, as
+    time.time()) of sequences whose first prefill was planned.
     """
 
     seq_ids: bytes
     token_ids: bytes
     finish: bytes
     logprobs: list[LogprobEntry] = []
-    cached: list[tuple[int, int]] = []
+    cached: list[tuple[int, int, float]] = []
 
     def unpack(self) -> tuple[list[int], list[int], list[int]]:
         """(seq_ids, token_ids, finish codes) as Python lists."""
@@ -244,7 +245,8 @@ CoreMessage = StepOutputs | Refused | Failed | CoreState | CoreStats | Aborted |
 
 
 def pack_outputs(seq_ids: list[int], token_ids: list[int], finish: list[int],
-                 logprobs: list[LogprobEntry], cached: list[tuple[int, int]]) -> StepOutputs:
+                 logprobs: list[LogprobEntry], cached: list[tuple[int, int, float]]
+                 ) -> StepOutputs:
     return StepOutputs(array("q", seq_ids).tobytes(), array("q", token_ids).tobytes(),
                        array("b", finish).tobytes(), logprobs, cached)
 

@@ -233,3 +233,20 @@ def test_logit_bias_and_min_tokens_through_the_mesh(base_url: str) -> None:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2,
                                   extra_body={"min_tokens": 3})
     assert bad.value.body["param"] == "min_tokens"  # type: ignore[index]
+
+
+def test_the_final_response_says_where_the_time_went(
+        stub: inference_pb2_grpc.InferenceServiceStub) -> None:
+    """Queue, prefill and decode times with the usage, within the call's own wall time."""
+    import time
+
+    request = pb.GenerateRequest(text="Tell me a story", max_tokens=12, ignore_eos=True)
+    started = time.monotonic()
+    final = list(stub.Generate(request, timeout=60))[-1]
+    wall_ms = (time.monotonic() - started) * 1e3
+    t = final.timing
+    assert final.HasField("usage") and final.HasField("timing")
+    assert t.queue_ms >= 0 and t.prefill_ms > 0 and t.decode_ms > 0
+    assert t.queue_ms + t.prefill_ms + t.decode_ms <= wall_ms
+    whole = stub.Complete(pb.CompleteRequest(request=request), timeout=60)
+    assert whole.timing.prefill_ms > 0 and whole.timing.decode_ms > 0
