@@ -7,7 +7,8 @@ Choice indices follow OpenAI: prompt p's choice i is index p * n + i. Usage sums
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.params import Endpoint, GenerationSpec
@@ -60,12 +61,14 @@ class ResponseBuilder:
     (`stream_chunk` per delta, then `usage_chunk`) or whole (`response`)."""
 
     def __init__(self, spec: GenerationSpec, response_id: str, model: str, created: int,
-                 texts: TokenTexts) -> None:
+                 texts: TokenTexts, echo: Sequence[str] = ()) -> None:
+        """`echo`: with `spec.echo`, each prompt's text, put before its choices' text."""
         self.spec = spec
         self.chat = spec.endpoint is Endpoint.CHAT
         self.head = {"id": response_id, "object": "chat.completion.chunk" if self.chat
                      else "text_completion", "created": created, "model": model}
         self.texts = texts
+        self.echo = echo
         self.choices: dict[int, _Choice] = {}
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self._prompt_tokens: dict[int, int] = {}  # prompt -> its length, from its first chunk
@@ -86,6 +89,8 @@ class ResponseBuilder:
         index = prompt * self.spec.n + chunk.index
         first = index not in self.choices
         choice = self.choices.setdefault(index, _Choice())
+        if first and self.echo:  # logprobs are refused with echo: only the text changes
+            chunk = replace(chunk, text=self.echo[prompt] + chunk.text)
         logprobs = None
         if self.spec.logprobs is not None:
             logprobs = (self._chat_logprobs(chunk.logprobs) if self.chat

@@ -86,7 +86,9 @@ class GenerateHandler:
         log.info("%s %s: %d prompt(s), n=%d, stream=%s, user=%r", route, response_id,
                  len(spec.prompts), spec.n, spec.stream, spec.user)
         requests = router_requests(spec, router_model, response_id)
-        builder = ResponseBuilder(spec, response_id, view.name, int(time.time()), view.texts)
+        echo = await self._echo_texts(spec) if spec.echo else ()
+        builder = ResponseBuilder(spec, response_id, view.name, int(time.time()), view.texts,
+                                  echo)
         run = self._stream if spec.stream else self._collect
         if await ex.unless_disconnected(run(ex, spec, requests, builder, route, started)):
             self.metrics.disconnects.inc()
@@ -94,6 +96,19 @@ class GenerateHandler:
         u = builder.usage
         self.metrics.tokens.labels("prompt").inc(u["prompt_tokens"])
         self.metrics.tokens.labels("completion").inc(u["completion_tokens"])
+
+    async def _echo_texts(self, spec: GenerationSpec) -> list[str]:
+        """Each prompt's text for `echo`: as sent, or the router's decoding of its ids."""
+        texts = []
+        for prompt in spec.prompts:
+            if prompt.text is not None:
+                texts.append(prompt.text)
+                continue
+            try:
+                texts.append(await self.router.first.detokenize(prompt.token_ids or ()))
+            except grpc.RpcError as e:
+                raise from_rpc_error(e, {"token_ids": "prompt"}) from e
+        return texts
 
     @asynccontextmanager
     async def _router_streams(self, requests: list[pb.GenerateRequest]

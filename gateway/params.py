@@ -1,13 +1,13 @@
 """OpenAI request bodies -> `GenerationSpec`: what to ask the router, and how to answer.
 
 Field types are checked here (`gateway.fields`); value ranges are left to the router, which
-names the field and the limit. Features the router cannot honour (echo, suffix, best_of > n,
+names the field and the limit. Features the router cannot honour (suffix, best_of > n,
 tools, a non-text response_format) are refused with 400 rather than ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -59,24 +59,29 @@ class GenerationSpec:
     user: str | None
     max_tokens_field: str
     options: dict[str, Any]
+    echo: bool = False  # completions: each choice's text starts with its prompt's
 
 
 def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
     f = Fields(body)
-    _refuse_unsupported(f, echo=False, suffix="")
+    _refuse_unsupported(f, suffix="")
+    echo = bool(f.boolean("echo"))
     n = f.integer("n")
     best_of = f.integer("best_of")
     if best_of is not None and best_of != (n or 1):
         raise invalid("best_of", f"best_of must equal n ({n or 1}) or be unset; "
                                  f"ranking {best_of} candidates is not supported")
     logprobs = f.integer("logprobs")
+    if echo and logprobs is not None:
+        raise invalid("echo", "echo with logprobs would need the prompt's log probabilities, "
+                              "which this server does not compute; drop one of them")
     max_tokens = f.integer("max_tokens")
     options = _common_options(f)
     options["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     spec = _spec(f, Endpoint.COMPLETIONS, parse_prompts(f.raw("prompt"), max_prompts), n,
                  logprobs, "max_tokens", options)
     f.refuse_unknown(IGNORED_FIELDS)
-    return spec
+    return replace(spec, echo=echo)
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:

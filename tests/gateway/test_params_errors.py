@@ -139,9 +139,9 @@ def test_unknown_fields_are_refused_by_name(parse: Any) -> None:
     assert one.value.status == 400 and one.value.param == "guided_json"
     assert "guided_json" in one.value.message
     with pytest.raises(APIError) as two:
-        parse({"min_tokens": 3, "guided_regex": "a+", "temperature": 0})
-    assert two.value.param == "guided_regex"  # the first, by name; both in the message
-    assert "guided_regex, min_tokens" in two.value.message
+        parse({"guided_regex": "a+", "guided_grammar": "root ::= x", "temperature": 0})
+    assert two.value.param == "guided_grammar"  # the first, by name; both in the message
+    assert "guided_grammar, guided_regex" in two.value.message
     with pytest.raises(APIError) as nested:
         parse({"stream": True, "stream_options": {"include_usage": True, "extra": 1}})
     assert nested.value.param == "stream_options.extra"

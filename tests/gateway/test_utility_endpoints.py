@@ -250,3 +250,21 @@ def test_the_final_response_says_where_the_time_went(
     assert t.queue_ms + t.prefill_ms + t.decode_ms <= wall_ms
     whole = stub.Complete(pb.CompleteRequest(request=request), timeout=60)
     assert whole.timing.prefill_ms > 0 and whole.timing.decode_ms > 0
+
+
+def test_echo_puts_the_prompt_before_each_choice(base_url: str) -> None:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none")
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                      temperature=0).choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=[prompt, prompt], max_tokens=4,
+                                       temperature=0, echo=True)
+    assert [c.text for c in echoed.choices] == [prompt + plain] * 2
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True)
+        if c.choices)
+    assert streamed == prompt + plain
+    ids = httpx.post(base_url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                       echo=True).choices[0].text
+    assert by_ids == prompt + plain
