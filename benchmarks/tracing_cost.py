@@ -27,8 +27,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import foundation.tracing
 from benchmarks.report import git_revision, print_table, write_json
 from foundation.tracing import traceparent_of
-from protos.stagemesh.v1 import inference_pb2 as pb
 from router.audit import AuditRecord
+from router.client import build_request
 from router.core.request_trace import RequestTrace
 from router.requests import GenerateRequest, SamplingParams
 from router.service import _end_generate_span, _first_token, _generate_span, _request_attributes
@@ -54,7 +54,7 @@ def main() -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     foundation.tracing._tracer = provider.get_tracer("stagemesh")
-    request = pb.GenerateRequest(text="x", max_tokens=256)
+    request = build_request("x", max_tokens=256)
     req = GenerateRequest("r", tuple(range(512)), SamplingParams(), 256, (), (), True, 1, 0)
     calls = [_Call(f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01")
              for _ in range(args.requests)]
