@@ -344,6 +344,10 @@ def _add_serve(commands: SubParsers) -> None:
     _add_model_args(p)
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--layers", type=_layers, default=None, metavar="N,N,...",
+                   help="layers per stage, pipeline order, e.g. 18,12: an uneven split (a "
+                        "stage on a device with more memory takes more); they must sum to "
+                        "the model's layers (default: as even as possible)")
     p.add_argument("--standby", type=int, default=0, metavar="N",
                    help="standby stage processes to keep beside the pipeline: when a stage "
                         "does not come back within --standby-grace, one takes its place "

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation.grpc_auth import STAGE_TOKEN_ENV
+from foundation.model_config import ModelConfig
 from foundation.modelstore import resolve_model
 from foundation.ports import free_port
+from stage_worker.partition import partition_layers
 
 READY_TIMEOUT_S = 600.0
 
@@ -121,6 +123,8 @@ def _stage_flags(args: argparse.Namespace, device: str, stages_on_device: int) -
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-num-seqs", str(args.max_num_seqs),
              "--transport", args.transport]
+    if args.layers:
+        flags += ["--layers", ",".join(map(str, args.layers))]
     if args.num_blocks:
         flags += ["--num-blocks", str(args.num_blocks)]
     if args.kv_cache_gb:
@@ -139,6 +143,16 @@ def build_children(args: argparse.Namespace, workdir: Path,
     """`api_keys`: accepted by the router and the gateway (the gateway presents one)."""
     py = [sys.executable, "-m", "stagemesh"]
     model = str(resolve_model(args.model))
+    if args.layers:  # refused here, before any process starts, not by each stage
+        try:
+            num_layers = ModelConfig.from_dir(Path(model)).num_layers
+        except (KeyError, ValueError) as e:
+            raise SystemExit(f"stagemesh serve: cannot read {model}/config.json to check "
+                             f"--layers: {e!r}") from None
+        try:
+            partition_layers(num_layers, args.stages, args.layers)
+        except ValueError as e:
+            raise SystemExit(f"stagemesh serve: --layers: {e}") from None
     # The pairing secret of this pipeline: its stages serve only this router. In the
     # environment, never in argv; one per launch unless $STAGEMESH_STAGE_TOKEN names it.
     pairing = {STAGE_TOKEN_ENV: os.environ.get(STAGE_TOKEN_ENV) or secrets.token_urlsafe(32)}

@@ -48,7 +48,9 @@ def seen(scraped: tuple[Mesh, dict[str, str], int]) -> Seen:
 @pytest.fixture(scope="module")
 def scraped() -> Iterator[tuple[Mesh, dict[str, str], int]]:
     """(the mesh, each role's /metrics text after the requests, prompt tokens sent)."""
-    with Mesh("--stages", "2", "--num-blocks", "256", gateway_port=free_port()) as mesh:
+    # An uneven split (serve --layers): each stage reports the layers it was given.
+    with Mesh("--stages", "2", "--layers", "18,12", "--num-blocks", "256",
+              gateway_port=free_port()) as mesh:
         stub = mesh.stub()
         prompt_tokens = 0
         for prompt in PROMPTS:
@@ -114,8 +116,8 @@ def test_stages_count_the_same_steps_and_the_second_waits_for_the_first(
         assert (sample(text, "stagemesh_stage_step_seconds_sum") or 0) > 0
     assert sample(first, "stagemesh_stage_tokens_total") == \
         sample(second, "stagemesh_stage_tokens_total")
-    assert sample(first, "stagemesh_stage_layers_info", start="0", end="15") == 1
-    assert sample(second, "stagemesh_stage_layers_info", start="15", end="30") == 1
+    assert sample(first, "stagemesh_stage_layers_info", start="0", end="18") == 1
+    assert sample(second, "stagemesh_stage_layers_info", start="18", end="30") == 1
     # the hop: stage 0 sends every step's activations over tcp
     assert sample(first, "stagemesh_stage_hop_send_seconds_count", transport="tcp") == steps
     assert sample(second, "stagemesh_stage_hop_send_seconds_count", transport="tcp") is None
@@ -138,7 +140,7 @@ def test_get_stats_and_status_show_each_stage_live(
     steps = sample(scraped[1]["router"], "stagemesh_steps_total")
     first, second = seen.stats.stages
     assert (first.layer_start, first.layer_end, second.layer_start, second.layer_end) == \
-        (0, 15, 15, 30)
+        (0, 18, 18, 30)
     assert first.device == second.device == "cpu"
     assert first.steps == second.steps == steps
     assert first.step_time_ms > 0 and second.step_time_ms > 0
@@ -150,6 +152,6 @@ def test_get_stats_and_status_show_each_stage_live(
     assert header == ["stage", "layers", "device", "ready", "KV", "blocks", "sequences",
                       "steps", "step", "ms", "bubble", "hop"]
     rows = [line.split() for line in lines[3:]]
-    assert [r[:4] for r in rows] == [["0", "0-14", "cpu", "yes"], ["1", "15-29", "cpu", "yes"]]
+    assert [r[:4] for r in rows] == [["0", "0-17", "cpu", "yes"], ["1", "18-29", "cpu", "yes"]]
     assert [r[-1] for r in rows] == ["tcp", "-"]
     assert rows[1][-2].endswith("%") and 0 < int(rows[1][-2][:-1]) <= 100  # a moment later

@@ -130,3 +130,19 @@ def test_model_error_from_generate_exits_2(
     fake_offline(monkeypatch, run_generate)
     assert main(["generate", "hi", "--model", "/models/x"]) == 2
     assert capsys.readouterr().err == "stagemesh: error: /models/x/config.json is missing\n"
+
+
+@pytest.mark.parametrize(("layers", "stages"), [("1,2", "2"), ("2", "2"), ("1,1", "3")])
+def test_serve_refuses_a_layer_split_that_does_not_fit(layers: str, stages: str,
+                                                       tmp_path: Path) -> None:
+    """`serve --layers` is checked against the model before any process starts."""
+    model = write_tiny_model(tmp_path / "m")  # 2 layers
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": 16}))
+    result = subprocess.run(
+        [sys.executable, "-m", "stagemesh", "serve", "--model", str(model), "--stages", stages,
+         "--layers", layers, "--gateway-port", "0"],
+        capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode != 0
+    assert "--layers:" in result.stderr and "summing to 2" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
