@@ -72,8 +72,7 @@ class ResponseBuilder:
         self.choices: dict[int, _Choice] = {}
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self._prompt_tokens: dict[int, int] = {}  # prompt -> its length, from its first chunk
-        self._final_usage = False  # every prompt's usage arrived
-        self._usages = 0
+        self._usages = 0  # prompts whose usage arrived
 
     def delta(self, prompt: int, chunk: Chunk) -> Delta | None:
         """Account one chunk of prompt `prompt`'s call; None for the usage chunk."""
@@ -82,7 +81,6 @@ class ResponseBuilder:
                 src = "cached_prompt_tokens" if key == "cached_tokens" else key
                 self.usage[key] += chunk.usage.get(src, 0)
             self._usages += 1
-            self._final_usage = self._usages == len(self.spec.prompts)
             return None
         if chunk.prompt_tokens:
             self._prompt_tokens[prompt] = chunk.prompt_tokens
@@ -167,7 +165,7 @@ class ResponseBuilder:
         """The call's usage; `running`: while streaming, from the prompts' lengths and the
         token ids received so far (the routers' usage replaces it at the end)."""
         u = self.usage
-        if running and not self._final_usage:
+        if running and self._usages < len(self.spec.prompts):
             prompt = sum(self._prompt_tokens.values())
             done = sum(len(c.token_ids) for c in self.choices.values())
             return {"prompt_tokens": prompt, "completion_tokens": done,

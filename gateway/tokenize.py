@@ -19,7 +19,6 @@ from gateway.fields import Fields
 from gateway.http import Exchange
 from gateway.params import parse_messages
 from gateway.served import ModelView, ModelViewLoader
-from protos.stagemesh.v1 import inference_pb2 as pb
 
 
 def version() -> str:
@@ -38,24 +37,21 @@ class TokenizeHandlers:
 
     async def tokenize(self, ex: Exchange) -> None:
         f = Fields(await ex.read_json(self.max_body_bytes))
-        request = pb.TokenizeRequest()
-        text, messages = f.string("prompt"), f.array("messages")
-        if (text is None) == (messages is None):
+        text, raw_messages = f.string("prompt"), f.array("messages")
+        if (text is None) == (raw_messages is None):
             raise invalid("prompt", "give exactly one of prompt (text) and messages")
+        messages = None
         if text is not None:
-            request.text = text
             _default_only(f, "add_special_tokens", True)  # as Generate tokenizes
         else:
-            request.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                                         for m in parse_messages(messages))
+            messages = parse_messages(raw_messages)
             _default_only(f, "add_generation_prompt", True)
             _default_only(f, "add_special_tokens", False)
         token_strs = bool(f.boolean("return_token_strs"))
-        view, request.model = await self._model(f)
+        view, model = await self._model(f)
         f.refuse_unknown()
         try:
-            reply = await self.router.first.stub.Tokenize(request,
-                                                         metadata=self.router.first.metadata)
+            reply = await self.router.first.tokenize_reply(text, messages, model)
         except grpc.RpcError as e:
             raise from_rpc_error(e, {"prompt_token_ids": "prompt"}) from e
         await ex.json(200, {"count": len(reply.token_ids), "max_model_len": view.context_length,

@@ -177,14 +177,19 @@ class RouterClient:
 
     async def tokenize(self, text: str | None = None,
                        messages: Sequence[dict[str, str]] | None = None) -> list[int]:
-        req = pb.TokenizeRequest()
+        return list((await self.tokenize_reply(text, messages)).token_ids)
+
+    async def tokenize_reply(self, text: str | None = None,
+                             messages: Sequence[dict[str, str]] | None = None,
+                             model: str = "") -> pb.TokenizeResponse:
+        """The whole answer: ids, each token's text, the rendered prompt."""
+        req = pb.TokenizeRequest(model=model)
         if text is not None:
             req.text = text
         elif messages is not None:
             req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
                                      for m in messages)
-        reply = await self.stub.Tokenize(req, metadata=self.metadata)
-        return list(reply.token_ids)
+        return await self.stub.Tokenize(req, metadata=self.metadata)
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False,
                          model: str = "") -> str:

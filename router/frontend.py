@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from foundation.tokenizer import ModelTokenizer
 from router.choice import ChoiceState
@@ -49,12 +49,12 @@ from router.outputs import (
     FailureKind,
     RequestDone,
     RequestFailed,
-    RequestTiming,
     StreamItem,
     TokenLogprob,
     Usage,
     coalesce,
 )
+from router.request_state import RequestState
 from router.requests import GenerateRequest
 from router.scheduler.sequence import FinishReason
 
@@ -72,29 +72,6 @@ class CoreStartError(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-@dataclass
-class RequestState:
-    """One live request. `outbox` holds what its stream has not taken yet; `wake` is set
-    while it holds something (cheaper per token than an asyncio.Queue)."""
-
-    request: GenerateRequest
-    choices: dict[int, ChoiceState]  # seq_id -> choice
-    outbox: list[StreamItem] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    unfinished: int = 0  # choices not finished yet
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = -1  # prefix-cache hits of the first prefill; -1 until known
-    done: bool = False
-    pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
-    pending_tokens: int = 0  # in `pending` and held by the choices
-    arrived: float = 0.0  # time.monotonic() at submit
-    arrived_wall: float = 0.0  # time.time() at submit (the core's clock for `scheduled`)
-    scheduled: float = 0.0  # time.time() its first prefill chunk was planned (0: unknown)
-    first_token: float = 0.0  # time.time() its first token came back
-    first_update: float | None = None  # when its first update with tokens was queued
-    last_update: float = 0.0  # when its latest one was
 
 
 class Frontend:
@@ -291,7 +268,7 @@ class Frontend:
         if done:
             usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
                           max(0, state.cached_prompt_tokens))
-            self._close(state, RequestDone(usage, _timing(state)))
+            self._close(state, RequestDone(usage, state.timing()))
 
     def _flush(self, state: RequestState) -> None:
         """Queue everything the request accumulated (pending deltas, then the tokens its
@@ -401,11 +378,3 @@ class Frontend:
         it aborts that front's sequences."""
         self.endpoint.send(FrontGone(front))
 
-
-def _timing(state: RequestState) -> RequestTiming:
-    """The request's queue, prefill and decode times (`RequestTiming`), now that it ends."""
-    end = time.time()
-    scheduled = state.scheduled or state.arrived_wall
-    first = state.first_token or end
-    return RequestTiming(max(0.0, scheduled - state.arrived_wall), max(0.0, first - scheduled),
-                         end - first)

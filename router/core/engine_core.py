@@ -30,6 +30,7 @@ from router.core.messages import (
     CoreState,
     Failed,
     FinishSeqs,
+    FrontBatch,
     FrontGone,
     FrontMessage,
     Hello,
@@ -40,7 +41,6 @@ from router.core.messages import (
     StatsRequest,
     duplicate_request_message,
     front_of,
-    pack_outputs,
 )
 from router.core.request_trace import StepTraces
 from router.core.stats import core_stats, stage_stats
@@ -66,19 +66,6 @@ class OutputSink(Protocol):
     def broadcast(self, msg: CoreMessage) -> None: ...
 
     def forget(self, front: int) -> None: ...
-
-
-class FrontBatch:
-    """One front's share of a step's outcome, being filled."""
-
-    __slots__ = ("cached", "finish", "logprobs", "seq_ids", "token_ids")
-
-    def __init__(self) -> None:
-        self.seq_ids: list[int] = []
-        self.token_ids: list[int] = []
-        self.finish: list[int] = []
-        self.logprobs: list[LogprobEntry] = []
-        self.cached: list[tuple[int, int, float]] = []
 
 
 class EngineCore:
@@ -329,9 +316,7 @@ class EngineCore:
 
     def _send_batches(self, batches: dict[int, FrontBatch]) -> None:
         for front, batch in batches.items():
-            cached = self._cached.pop(front, [])
-            self.sink.send(front, pack_outputs(batch.seq_ids, batch.token_ids, batch.finish,
-                                               batch.logprobs, cached))
+            self.sink.send(front, batch.pack(self._cached.pop(front, [])))
 
     async def _watch_steps(self) -> None:
         """A step with no result past `step_timeout_s` marks the pipeline down (a hung

@@ -244,11 +244,21 @@ class AbortResult(msgspec.Struct, tag=True, array_like=True):
 CoreMessage = StepOutputs | Refused | Failed | CoreState | CoreStats | Aborted | AbortResult
 
 
-def pack_outputs(seq_ids: list[int], token_ids: list[int], finish: list[int],
-                 logprobs: list[LogprobEntry], cached: list[tuple[int, int, float]]
-                 ) -> StepOutputs:
-    return StepOutputs(array("q", seq_ids).tobytes(), array("q", token_ids).tobytes(),
-                       array("b", finish).tobytes(), logprobs, cached)
+class FrontBatch:
+    """One front's share of a step's outcome, being filled; `pack` makes its message."""
+
+    __slots__ = ("finish", "logprobs", "seq_ids", "token_ids")
+
+    def __init__(self) -> None:
+        self.seq_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.finish: list[int] = []
+        self.logprobs: list[LogprobEntry] = []
+
+    def pack(self, cached: list[tuple[int, int, float]]) -> StepOutputs:
+        return StepOutputs(array("q", self.seq_ids).tobytes(),
+                           array("q", self.token_ids).tobytes(),
+                           array("b", self.finish).tobytes(), self.logprobs, cached)
 
 
 class Codec:

@@ -130,10 +130,7 @@ def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, OtlpSink]) 
 def test_every_interval_th_step_of_a_traced_request_is_a_span_on_each_stage(
         traced: tuple[Mesh, OtlpSink]) -> None:
     mesh, sink = traced
-    trace_id, _, header = _traceparent()
-    chunks = list(mesh.stub().Generate(build_request("Count", max_tokens=24, ignore_eos=True),
-                                       metadata=[("traceparent", header)], timeout=60))
-    assert chunks
+    trace_id, _ = _generate_traced(mesh, "Count", 24)
     spans = _trace(sink, trace_id, {"stagemesh-router": 2})
     (router,), (core,) = _split(spans["stagemesh-router"], "engine core")
     sampled = _attrs(core)["stagemesh.request.sampled_steps"]
@@ -149,6 +146,16 @@ def test_every_interval_th_step_of_a_traced_request_is_a_span_on_each_stage(
     assert all(layers == {"0-14", "15-29"} for layers in steps.values())  # both stages
 
 
+def _generate_traced(mesh: Mesh, prompt: str, max_tokens: int) -> tuple[bytes, bytes]:
+    """One gRPC Generate under a fresh client trace: (its trace id, the client's span id)."""
+    trace_id, client_span, header = _traceparent()
+    chunks = list(mesh.stub().Generate(
+        build_request(prompt, max_tokens=max_tokens, ignore_eos=True),
+        metadata=[("traceparent", header)], timeout=60))
+    assert chunks
+    return trace_id, client_span
+
+
 def _split(spans: list[trace_pb2.Span], name: str
            ) -> tuple[list[trace_pb2.Span], list[trace_pb2.Span]]:
     """(the spans not named `name`, those named so)."""
@@ -158,10 +165,7 @@ def _split(spans: list[trace_pb2.Span], name: str
 def test_a_grpc_caller_traceparent_is_the_router_span_parent(
         traced: tuple[Mesh, OtlpSink]) -> None:
     mesh, sink = traced
-    trace_id, client_span, header = _traceparent()
-    chunks = list(mesh.stub().Generate(build_request("Hi", max_tokens=2, ignore_eos=True),
-                                       metadata=[("traceparent", header)], timeout=60))
-    assert chunks
+    trace_id, client_span = _generate_traced(mesh, "Hi", 2)
     (router,), _ = _split(_trace(sink, trace_id, {"stagemesh-router": 2})["stagemesh-router"],
                           "engine core")
     assert router.parent_span_id == client_span

@@ -1,0 +1,43 @@
+"""One live request on a front: its choices, what its stream has not taken yet, and where
+its time went."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from router.choice import ChoiceState
+from router.outputs import ChoiceDelta, RequestTiming, StreamItem
+from router.requests import GenerateRequest
+
+
+@dataclass
+class RequestState:
+    """One live request. `outbox` holds what its stream has not taken yet; `wake` is set
+    while it holds something (cheaper per token than an asyncio.Queue)."""
+
+    request: GenerateRequest
+    choices: dict[int, ChoiceState]  # seq_id -> choice
+    outbox: list[StreamItem] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    unfinished: int = 0  # choices not finished yet
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = -1  # prefix-cache hits of the first prefill; -1 until known
+    done: bool = False
+    pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
+    pending_tokens: int = 0  # in `pending` and held by the choices
+    arrived: float = 0.0  # time.monotonic() at submit
+    arrived_wall: float = 0.0  # time.time() at submit (the core's clock for `scheduled`)
+    scheduled: float = 0.0  # time.time() its first prefill chunk was planned (0: unknown)
+    first_token: float = 0.0  # time.time() its first token came back
+    first_update: float | None = None  # when its first update with tokens was queued
+    last_update: float = 0.0  # when its latest one was
+
+    def timing(self) -> RequestTiming:
+        """Its queue, prefill and decode times, now that it ends."""
+        end = time.time()
+        scheduled = self.scheduled or self.arrived_wall
+        first = self.first_token or end
+        return RequestTiming(max(0.0, scheduled - self.arrived_wall),
+                             max(0.0, first - scheduled), end - first)
