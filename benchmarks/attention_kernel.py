@@ -54,7 +54,7 @@ CASES = {
 DECODE_GRID = [LaunchConfig(16, n, w, s) for n, w, s in
                itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3))]
 PREFILL_GRID = [LaunchConfig(m, n, w, s) for m, n, w, s in
-                itertools.product((64, 128), (32, 64), (4, 8), (1, 2, 3))]
+                itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
 
 
 def _case(seqs: int, cached: int, new: int, device: torch.device) -> tuple[Any, ...]:

@@ -194,6 +194,9 @@ def main() -> None:
     ap.add_argument("--ours-only", action="store_true",
                     help="time only our decode step (graphs), no HF timing or logit checks "
                          "(the per-token floor a mesh run is compared with)")
+    ap.add_argument("--prefill", default="8x512,1x4096",
+                    help="with --ours-only: prefill steps to time, SEQSxTOKENS,... "
+                         "(reported against the matmul rate, linear layers' FLOPs)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = {"shape": args.shape, "dtype": "bfloat16", "stages": 1, "tp": 1,
@@ -243,10 +246,44 @@ def main() -> None:
     print_table(rows)
 
 
+@torch.inference_mode()
+def ours_prefill_ms(runner: StageRunner, vocab: int, seqs: int, length: int,
+                    steps: int) -> float:
+    """Median GPU ms of one step that prefills `seqs` fresh prompts of `length` tokens."""
+    blocks = -(-length // 16)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(seqs)]
+    ids = torch.randint(0, vocab, (seqs * length,))
+
+    def step() -> None:
+        runner.execute([SeqChunk(i, 0, length, tables[i]) for i in range(seqs)], ids)
+
+    for _ in range(2):
+        step()
+    return statistics.median(cuda_time_ms(step, steps))
+
+
+def linear_flops_per_token(hf: Any) -> float:
+    """2 x the parameters of every linear layer (the embedding table excluded; the LM head
+    counts once, as `execute` computes logits only for each sequence's last token, which
+    the prefill figure then over-counts slightly in our disfavour)."""
+    return 2.0 * sum(m.weight.numel() for name, m in hf.named_modules()
+                     if isinstance(m, torch.nn.Linear) and name != "lm_head")
+
+
 def ours_only(args: argparse.Namespace, config: dict[str, Any], roof: dict[str, float],
               hf: Any, runner: StageRunner, cfg: ModelConfig) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
-    rows = []
+    rows: list[dict[str, Any]] = []
+    flops = linear_flops_per_token(hf)
+    for seqs, length in ((int(a), int(b)) for a, b in
+                         (case.split("x") for case in args.prefill.split(",") if case)):
+        ms = ours_prefill_ms(runner, cfg.vocab_size, seqs, length, max(3, args.steps // 4))
+        tokens = seqs * length
+        rows.append({"prefill": f"{seqs}x{length}", "ours_ms": ms,
+                     "ours_tok_s": tokens / ms * 1e3,
+                     "linear_TFLOPs": flops * tokens / (ms / 1e3) / 1e12,
+                     "of_matmul_rate": flops * tokens / (ms / 1e3) / 1e12
+                     / roof["bf16_TFLOPs"]})
     for b in (int(x) for x in args.batches.split(",")):
         kv_bytes = b * args.ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
         ours, ours_host = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)

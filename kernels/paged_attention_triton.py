@@ -54,43 +54,63 @@ class LaunchConfig:
     num_stages: int = 3
 
 
-# Chosen by `benchmarks.attention_kernel` on an H200 (llama3-8b heads, bf16): the best of
-# its grid at decode batch 64 and 256, within 1-2 us of the best at batch 1 (split KV); for
-# prefill chunks the best at 1 x 4,096 and 8 x 512 (8-11 % faster than 64 keys, 3 stages).
-DECODE_LAUNCH = LaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-PREFILL_LAUNCH = LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# Chosen by `benchmarks.attention_kernel` on an H200 (llama3-8b heads, bf16): within 1 % of
+# the best of its grid at decode batch 64 and 256 and within 1-2 us of the best at batch 1
+# (split KV); for prefill chunks the best at 1 x 4,096 and 8 x 512 (128 rows: 32 tokens of
+# a 4-head group; 10 % faster than 64 rows with 4 warps).
+DECODE_LAUNCH = LaunchConfig(block_m=16, block_n=64, num_warps=2, num_stages=3)
+PREFILL_LAUNCH = LaunchConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
 BLOCK_M = DECODE_LAUNCH.block_m
 MAX_SPLITS = 16  # key ranges per tile at most (split KV)
 PROGRAMS_PER_SM = 2  # split until the grid has about this many programs per SM
+LOG2E = 1.4426950408889634  # the kernel's softmax runs in base 2 (exp2)
 
 
 @triton.jit
-def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_head, scale,
+def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
                   stride_kn, stride_kb, stride_kh, offs_d, d_ok,
-                  KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                  KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                  EVEN_D: tl.constexpr, MASKED: tl.constexpr):
     """Keys [i * BLOCK_N, (i + 1) * BLOCK_N) of the sequence that lie in [kv_lo, kv_end),
-    read through its block table, folded into the online softmax."""
+    read through its block table, folded into the online softmax (base 2: `qk_scale` is the
+    softmax scale times log2(e), m_i is in those units). Not MASKED: the caller guarantees
+    every key of the tile lies in [kv_lo, kv_end) and is visible to every row (no masks)."""
     key_pos = i * BLOCK_N + tl.arange(0, BLOCK_N)
     # kv_end <= seq_len (later keys are causally hidden anyway); kv_lo > 0 only in a split.
-    key_ok = (key_pos >= kv_lo) & (key_pos < kv_end)
-    block = tl.load(table + key_pos // KV_BLOCK, mask=key_ok, other=0).to(tl.int64)
-    kv_off = (block[:, None] * stride_kn + (key_pos % KV_BLOCK)[:, None] * stride_kb
-              + kv_head * stride_kh + offs_d[None, :])
-    kv_mask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    if MASKED:
+        key_ok = (key_pos >= kv_lo) & (key_pos < kv_end)
+        block = tl.load(table + key_pos // KV_BLOCK, mask=key_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + key_pos // KV_BLOCK).to(tl.int64)
+    # One base offset per key, then the head dim: [BLOCK_N] int64 math, not [BLOCK_N, D].
+    key_off = block * stride_kn + (key_pos % KV_BLOCK) * stride_kb + kv_head * stride_kh
+    kv_off = key_off[:, None] + offs_d[None, :]
+    if MASKED:
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(K + kv_off)
+        v = tl.load(V + kv_off)
+    else:
+        k = tl.load(K + kv_off, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_off, mask=d_ok[None, :], other=0.0)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = qk * scale
-    visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
-    qk = tl.where(visible, qk, float("-inf"))
+    qk = qk * qk_scale
+    if MASKED:
+        visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # A row that has seen no key yet keeps m = -inf: subtract 0 then, not -inf (no NaN).
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(qk - m_sub[:, None])
-    alpha = tl.exp(m_i - m_sub)
+    if MASKED:
+        # A row that has seen no key yet keeps m = -inf: subtract 0 then, not -inf (no NaN).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new  # every row saw a key of this tile: finite
+    p = tl.exp2(qk - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     if IEEE:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -109,12 +129,12 @@ _STEP_VARYING = ["stride_bt", "stride_ps", "stride_pt", "splits"]
 @triton.jit(do_not_specialize=_STEP_VARYING)
 def _paged_attention_kernel(
     Q, K, V, O, M_PART, L_PART, block_tables, seq_lens, query_start,
-    scale,
+    qk_scale,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_ps, stride_pt, stride_ph, splits,
     GROUP: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_D: tl.constexpr, DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One (sequence, KV head, query tile, key range) per program, `splits` ranges per tile.
     Not SPLIT (splits == 1): O is the output [T, Hq, D]. SPLIT: O is the fp32 accumulator
@@ -122,8 +142,11 @@ def _paged_attention_kernel(
     max and sum (`_merge_splits_kernel`)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2) // splits
-    split = tl.program_id(2) % splits
+    # Last query tiles first: under the causal rule they read the most keys, and starting
+    # them first keeps the launch's tail short.
+    order = tl.num_programs(2) - 1 - tl.program_id(2)
+    tile = order // splits
+    split = order % splits
     q0 = tl.load(query_start + seq)
     n_q = tl.load(query_start + seq + 1) - q0
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,21 +176,38 @@ def _paged_attention_kernel(
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     kv_lo = tile_lo * BLOCK_N
     kv_hi = tl.minimum(kv_end, tile_hi * BLOCK_N)
+    # Key tiles below `full_hi` hold only keys every row sees (keys up to the tile's first
+    # row's position, which is below kv_hi): no masks there; the rest (the causal diagonal
+    # and the sequence's last partial tile) are masked.
+    full_hi = tl.maximum(tl.minimum(tile_hi, (seq_len - n_q + tile * BLOCK_M // GROUP + 1)
+                                    // BLOCK_N), tile_lo)
+    table = block_tables + seq * stride_bt
     # Compiled: loop over this program's keys only. Triton's interpreter cannot take a loop
     # bound from a computed value, so there the loop runs to the batch's longest sequence and
-    # the keys outside [kv_lo, kv_hi) are masked out (no loads, no effect on the softmax).
+    # each tile takes the path the compiled loops would give it.
     if DYNAMIC:
-        for i in range(tile_lo, tile_hi):
+        for i in range(tile_lo, full_hi):
             m_i, l_i, acc = _attend_block(
-                i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
-                kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK,
-                BLOCK_N, IEEE)
+                i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
+                stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
+                EVEN_D, False)
+        for i in range(full_hi, tile_hi):
+            m_i, l_i, acc = _attend_block(
+                i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
+                stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
+                EVEN_D, True)
     else:
         for i in range(0, MAX_KV_TILES):
-            m_i, l_i, acc = _attend_block(
-                i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, block_tables + seq * stride_bt,
-                kv_head, scale, stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK,
-                BLOCK_N, IEEE)
+            if (i >= tile_lo) & (i < full_hi):
+                m_i, l_i, acc = _attend_block(
+                    i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
+                    stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
+                    EVEN_D, False)
+            else:
+                m_i, l_i, acc = _attend_block(
+                    i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
+                    stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
+                    EVEN_D, True)
     out_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -188,7 +228,7 @@ def _merge_splits_kernel(ACC, M_PART, L_PART, O, stride_ps, stride_pt, stride_ph
                          stride_ot, stride_oh, splits,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
     """One (query row, head) per program: O = sum_s w_s acc_s / sum_s w_s l_s with
-    w_s = exp(m_s - max m). Split 0 always holds key 0, so max m is finite."""
+    w_s = 2^(m_s - max m). Split 0 always holds key 0, so max m is finite."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -198,7 +238,7 @@ def _merge_splits_kernel(ACC, M_PART, L_PART, O, stride_ps, stride_pt, stride_ph
     part = s * stride_ps + t * stride_pt + h * stride_ph
     m = tl.load(M_PART + part, mask=s_ok, other=float("-inf"))
     l_s = tl.load(L_PART + part, mask=s_ok, other=0.0)
-    w = tl.exp(m - tl.max(m, 0))
+    w = tl.exp2(m - tl.max(m, 0))  # m in base-2 units (`_attend_block`)
     acc = tl.load(ACC + part[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
@@ -267,12 +307,12 @@ def paged_attention_triton(
     d_pad = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, target, m_part, l_part, meta.block_tables, meta.seq_lens,
-        meta.query_start, scale,
+        meta.query_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0), *part_strides, splits,
         GROUP=group, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, DYNAMIC=not INTERPRETED,
+        IEEE=q.dtype == torch.float32, EVEN_D=d_pad == head_dim, DYNAMIC=not INTERPRETED,
         # Only the interpreter reads it; compiled, a constant avoids a compile per length.
         MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if INTERPRETED else 0,
         SPLIT=splits > 1, num_warps=launch.num_warps, num_stages=launch.num_stages,
