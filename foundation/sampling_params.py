@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import NoReturn
 
+from foundation.structured_output import StructuredOutput, StructuredOutputError
+
 # Temperatures below this count as greedy, as in vLLM: dividing logits by a smaller
 # temperature only makes the distribution one-hot anyway, and risks overflow in float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -55,6 +57,9 @@ class SamplingParams:
         the router fills that with the EOS ids and the request's stop_token_ids).
     logit_bias: (token id, bias) pairs added to those logits before sampling (OpenAI's;
         log-probabilities stay the model's).
+    structured: what the output must be (a JSON schema, a regex, ...): the last stage
+        allows only the tokens that keep the output valid, and the end of sequence once it
+        is complete; None is unconstrained.
     """
 
     temperature: float = 1.0
@@ -69,6 +74,7 @@ class SamplingParams:
     min_tokens: int = 0
     banned_until_min: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -123,6 +129,15 @@ class SamplingParams:
             if not (math.isfinite(bias) and abs(bias) <= MAX_ABS_LOGIT_BIAS):
                 _fail("logit_bias", f"bias of token {token} must be in "
                                     f"[{-MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}], got {bias}")
+        if self.structured is not None:
+            if self.min_tokens:
+                # The constraint decides where the output ends; a ban on the end of
+                # sequence could leave a complete output no token to take.
+                _fail("min_tokens", "min_tokens cannot be combined with structured output")
+            try:
+                self.structured.validate()
+            except StructuredOutputError as e:
+                raise SamplingParamsError(e.field, e.message) from None
 
 
 def _fail(field: str, what: str) -> NoReturn:

@@ -37,7 +37,10 @@ _ROUTER_FIELDS = frozenset({
     "prompt", "prompt_token_ids", "messages", "input", "max_tokens", "temperature", "top_p",
     "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "logprobs", "n", "stop", "stop_token_ids", "priority", "request_id", "token_ids",
-    "truncate_prompt_tokens", "min_tokens", "logit_bias"})
+    "truncate_prompt_tokens", "min_tokens", "logit_bias", "ignore_eos", "structured_output"})
+# Router fields a client sends under one name of its own, whole: the router's sub-field
+# ("structured_output.json_schema") is not part of the client's name ("response_format").
+_WHOLE_RENAMES = frozenset({"structured_output"})
 
 
 class APIError(Exception):
@@ -81,7 +84,11 @@ def from_rpc_error(err: grpc.RpcError, rename: Mapping[str, str] | None = None) 
         match = _LEADING_FIELD.match(details)
         if match and match.group(1) in _ROUTER_FIELDS:
             base = match.group(1)
-            param = (rename or {}).get(base, base) + match.group(0)[len(base):]
+            renamed = (rename or {}).get(base)
+            if renamed is not None and base in _WHOLE_RENAMES:
+                param = renamed
+            else:
+                param = (renamed or base) + match.group(0)[len(base):]
     elif status == 404:
         param = "model"
     headers = {}

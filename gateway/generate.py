@@ -33,10 +33,12 @@ log = logging.getLogger("stagemesh.gateway")
 
 def _renames(spec: GenerationSpec) -> dict[str, str]:
     """Router field names -> the names this endpoint's clients sent."""
+    structured = {} if spec.structured_field is None else \
+        {"structured_output": spec.structured_field}
     if spec.endpoint is Endpoint.CHAT:
         return {"prompt": "messages", "input": "messages", "logprobs": "top_logprobs",
-                "max_tokens": spec.max_tokens_field}
-    return {"prompt_token_ids": "prompt", "input": "prompt"}
+                "max_tokens": spec.max_tokens_field, **structured}
+    return {"prompt_token_ids": "prompt", "input": "prompt", **structured}
 
 
 def _as_api_error(exc: Exception, spec: GenerationSpec) -> APIError:

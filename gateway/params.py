@@ -2,7 +2,8 @@
 
 Field types are checked here (`gateway.fields`); value ranges are left to the router, which
 names the field and the limit. Features the router cannot honour (suffix, best_of > n,
-tools, a non-text response_format) are refused with 400 rather than ignored.
+tools) are refused with 400 rather than ignored; structured output (`response_format`,
+vLLM's `guided_*`) is read by `gateway.structured`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from gateway.errors import invalid
 from gateway.fields import INT64, Fields, check_text, wrong_type
+from gateway.structured import structured_output
 
 # OpenAI's legacy /v1/completions default; chat defaults to "what fits" (the router's).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -60,6 +62,7 @@ class GenerationSpec:
     max_tokens_field: str
     options: dict[str, Any]
     echo: bool = False  # completions: each choice's text starts with its prompt's
+    structured_field: str | None = None  # the field that constrained the output, if any
 
 
 def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
@@ -80,6 +83,7 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
     options["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     spec = _spec(f, Endpoint.COMPLETIONS, parse_prompts(f.raw("prompt"), max_prompts), n,
                  logprobs, "max_tokens", options)
+    spec = _with_structured_output(f, spec)
     f.refuse_unknown(IGNORED_FIELDS)
     return replace(spec, echo=echo)
 
@@ -87,7 +91,7 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:
     f = Fields(body)
     _refuse_unsupported(f, tools=[])
-    _check_tool_choice_and_format(f)
+    _check_tool_choice(f)
     messages = parse_messages(f.array("messages"))
     logprobs = None
     top = f.integer("top_logprobs")
@@ -102,6 +106,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationSpec:
     f.raw("max_tokens")  # read: with max_completion_tokens set, max_tokens is ignored
     spec = _spec(f, Endpoint.CHAT, (Prompt(messages=messages),), f.integer("n"), logprobs,
                  field, options)
+    spec = _with_structured_output(f, spec)
     f.refuse_unknown(IGNORED_FIELDS)
     return spec
 
@@ -145,6 +150,16 @@ def _common_options(f: Fields) -> dict[str, Any]:
     return options
 
 
+def _with_structured_output(f: Fields, spec: GenerationSpec) -> GenerationSpec:
+    """`spec` with the request's structured output constraint, if any."""
+    found = structured_output(f)
+    if found is None:
+        return spec
+    field, constraint = found
+    return replace(spec, options={**spec.options, "structured_output": constraint},
+                   structured_field=field)
+
+
 def _logit_bias(f: Fields) -> dict[int, float] | None:
     """OpenAI's logit_bias: an object of token id (a decimal string) -> bias."""
     value = f.obj("logit_bias")
@@ -169,13 +184,10 @@ def _refuse_unsupported(f: Fields, **defaults: Any) -> None:
             raise invalid(key, f"{key} is not supported by this server (got {value!r})")
 
 
-def _check_tool_choice_and_format(f: Fields) -> None:
+def _check_tool_choice(f: Fields) -> None:
     choice = f.raw("tool_choice")
     if choice is not None and choice != "none":
         raise invalid("tool_choice", "tools are not supported; tool_choice may only be 'none'")
-    fmt = f.obj("response_format")
-    if fmt is not None and fmt.string("type") not in (None, "text"):
-        raise invalid("response_format", "only response_format {'type': 'text'} is supported")
 
 
 def parse_prompts(value: Any, max_prompts: int) -> tuple[Prompt, ...]:

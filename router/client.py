@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -20,7 +21,8 @@ from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "min_tokens", "logit_bias")
+                    "presence_penalty", "frequency_penalty", "seed", "min_tokens", "logit_bias",
+                    "structured_output")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     for key, value in sampling.items():
         if key == "logit_bias":
             req.sampling.logit_bias.update(value or {})
+        elif key == "structured_output":
+            if value is not None:
+                set_structured_output(req.sampling.structured_output, *value)
         elif value is not None:
             setattr(req.sampling, key, value)
     if max_tokens is not None:
@@ -89,6 +94,21 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     if truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = truncate_prompt_tokens
     return req
+
+
+def set_structured_output(msg: pb.StructuredOutput, kind: str, spec: Any = None) -> None:
+    """Fill `msg` with one constraint: ("json_object",), ("json_schema", a schema as a dict
+    or JSON text), ("regex", str), ("choice", list of str) or ("grammar", str)."""
+    if kind == "json_object":
+        msg.json_object = True
+    elif kind == "json_schema":
+        msg.json_schema = spec if isinstance(spec, str) else json.dumps(spec)
+    elif kind == "choice":
+        msg.choice.options.extend(spec)
+    elif kind in ("regex", "grammar"):
+        setattr(msg, kind, spec)
+    else:
+        raise ValueError(f"unknown structured output kind {kind!r}")
 
 
 def finish_reason_text(value: int) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 from foundation.sampling_params import SamplingParams
+from foundation.structured_output import ConstraintKind, StructuredOutput
 from protos.stagemesh.v1 import inference_pb2 as pb
 from router.outputs import ChoiceDelta, RequestTiming, Usage
 from router.requests import (
@@ -41,7 +42,24 @@ def sampling_from_proto(msg: pb.SamplingParams, logprobs: int | None) -> Samplin
         seed=seed, logprobs=logprobs,
         min_tokens=msg.min_tokens if msg.HasField("min_tokens") else 0,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        structured=structured_from_proto(msg.structured_output)
+        if msg.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise ValidationError("structured_output", "structured_output must set one constraint "
+                              "(json_object, json_schema, regex, choice or grammar)")
+    if kind == "json_object":
+        if not msg.json_object:
+            raise ValidationError("structured_output.json_object",
+                                  "structured_output.json_object must be true when set")
+        return StructuredOutput(ConstraintKind.JSON_OBJECT)
+    if kind == "choice":
+        return StructuredOutput.choice(list(msg.choice.options))
+    return StructuredOutput(ConstraintKind(kind), getattr(msg, kind))
 
 
 def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInput:

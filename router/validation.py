@@ -77,6 +77,9 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
                      limits.max_model_len - 1)
     prompt_ids = validate_prompt(raw.prompt, limits, tokenizer, raw.truncate_prompt_tokens)
     max_tokens = fit_max_tokens(len(prompt_ids), raw.max_tokens, limits)
+    if raw.ignore_eos and raw.sampling.structured is not None:
+        _fail("ignore_eos", "ignore_eos cannot be combined with structured output (the "
+                            "output ends when the constraint is complete)")
     if raw.sampling.min_tokens > max_tokens:
         _fail("min_tokens", f"min_tokens ({raw.sampling.min_tokens}) must not exceed "
                             f"max_tokens ({max_tokens})")

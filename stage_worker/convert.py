@@ -9,6 +9,7 @@ from itertools import islice, repeat
 from operator import truth
 
 from foundation.sampling_params import SamplingParams
+from foundation.structured_output import ConstraintKind, StructuredOutput
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from stage_worker.plan import PlanError, StageCachedSeq, StageNewSeq, StageOutcome, StagePlan
 
@@ -27,6 +28,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         min_tokens=msg.min_tokens, banned_until_min=tuple(msg.banned_until_min),
         logit_bias=tuple(zip(msg.logit_bias_ids, msg.logit_bias_values, strict=True)),
+        structured=StructuredOutput(ConstraintKind(msg.structured_kind), msg.structured_spec)
+        if msg.structured_kind else None,
     )
 
 

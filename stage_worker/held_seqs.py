@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from foundation.sampling_params import SamplingParams
 from stage_worker.plan import StagePlan
@@ -29,6 +30,10 @@ class HeldSeq:
     sampling: SamplingParams | None  # last stage only
     output_ids: list[int] = field(default_factory=list)  # outputs (last stage only)
     last_sample_step: int = -1  # the step that sampled output_ids[-1] (last stage only)
+    # Structured output (last stage): the sequence's llguidance matcher, made on its first
+    # sampling step, and how many of output_ids it has consumed (`stage_worker.structured`).
+    grammar: Any = None
+    grammar_consumed: int = 0
 
     @property
     def prompt_ids(self) -> list[int]:

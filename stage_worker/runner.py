@@ -27,6 +27,7 @@ from stage_worker.partition import LayerRange
 from stage_worker.sampling import Sampler
 from stage_worker.step_input import SeqChunk, build_context, sample_rows
 from stage_worker.step_sampling import StepSample, sample_step
+from stage_worker.structured import GrammarMasks
 
 log = logging.getLogger("stagemesh.runner")
 
@@ -75,6 +76,8 @@ class StageRunner(ModelRunner):
         self.model_cfg = model_cfg
         self.tp = tp or TPGroup()
         self.sampler = Sampler()
+        self.grammars = (GrammarMasks(cfg.model_dir, model_cfg.vocab_size)
+                         if cfg.layers.is_last else None)
         started = time.monotonic()
         with torch.device(cfg.device):
             self.model = LlamaStageModel(model_cfg, cfg.layers, self.tp, cfg.dtype)
@@ -212,7 +215,7 @@ class StageRunner(ModelRunner):
 
     def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample:
         """`scores`: the fp32 logits [S, V] `execute` returned; see `step_sampling`."""
-        return sample_step(self.sampler, scores, seqs, self.model_cfg.vocab_size)
+        return sample_step(self.sampler, scores, seqs, self.model_cfg.vocab_size, self.grammars)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

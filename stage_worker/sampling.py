@@ -6,7 +6,8 @@ One step samples every sequence of the batch at once, on tensors. The order, per
    "raw" logprobs), so they describe the model, not the sampling settings;
 2. repetition penalty over prompt + output tokens, then presence and frequency
    penalties over output tokens; then the logit biases, and -inf for the ids a row may not
-   sample yet (`min_tokens`);
+   sample yet (`min_tokens`), and for the ids a row's structured output does not allow
+   (`stage_worker.structured`);
 3. greedy rows take the argmax of these penalised logits; the others go on:
 4. temperature, then top-k, top-p and min-p masks (`apply_top_k_top_p_min_p`);
 5. a draw by the exponential race argmax(probs / q), q ~ Exp(1), equivalent to sampling
@@ -24,6 +25,7 @@ import torch
 
 from foundation.sampling_params import SamplingParams
 from stage_worker.host_transfer import to_device
+from stage_worker.structured import apply_masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -77,6 +79,9 @@ class SamplingBatch:
     # Sparse additions to the logits: (rows [N] int64, ids [N] int64, values [N] float32),
     # the logit biases and -inf for ids banned until min_tokens; None if no row has any.
     adjust: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured output: (rows [N] int64, bitmask [N, ceil(V / 32)] int32) of the rows whose
+    # constraint allows only some ids (bit set = allowed); None if no row has one.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -278,7 +283,7 @@ class Sampler:
             raise ValueError(f"logits must be [{batch.num_seqs}, V], got {list(logits.shape)}")
         logits = logits.float()  # compute in float32 whatever the model's dtype
         if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None \
-                and batch.adjust is None:
+                and batch.adjust is None and batch.allowed is None:
             return _output(logits.argmax(dim=-1), None, 0)  # fast path: nothing else to do
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
@@ -288,6 +293,8 @@ class Sampler:
         if batch.adjust is not None:
             rows, ids, values = batch.adjust
             logits = logits.index_put((rows, ids), values, accumulate=True)
+        if batch.allowed is not None:
+            logits = apply_masks(logits, *batch.allowed)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:

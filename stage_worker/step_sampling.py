@@ -9,15 +9,16 @@ one wait on the GPU.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from foundation.sampling_params import SamplingParams
 from stage_worker.held_seqs import HeldSeq
-from stage_worker.host_transfer import HostCopy
+from stage_worker.host_transfer import HostCopy, to_device, upload
 from stage_worker.plan import SampledToken
 from stage_worker.sampling import Sampler, SamplingBatch
+from stage_worker.structured import GrammarMasks
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -62,11 +63,13 @@ class StepSample:
 
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[HeldSeq],
-                vocab_size: int) -> StepSample:
+                vocab_size: int, grammars: GrammarMasks | None = None) -> StepSample:
     """One token per row of `logits` [S, V] (fp32), row i for `seqs[i]`.
 
     A sequence without sampling settings is greedy. Penalties read each sequence's prompt
-    and outputs; seeded draws its output count. Mutates nothing.
+    and outputs; seeded draws its output count; structured output its matcher (`grammars`,
+    which advances it over the outputs recorded since its last step). Mutates nothing
+    else.
     """
     params = [s.sampling or GREEDY for s in seqs]
     wants = [p.logprobs for p in params]
@@ -78,6 +81,10 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[HeldSeq],
     outputs = [s.output_ids if p.has_penalties else () for s, p in zip(seqs, params, strict=True)]
     batch = SamplingBatch.build(params, prompts, outputs, [s.num_outputs for s in seqs],
                                 vocab_size, logits.device)
+    if grammars is not None and (masks := grammars.masks(seqs, params)) is not None:
+        rows, bitmask = masks
+        batch = replace(batch, allowed=(to_device(rows, torch.int64, logits.device),
+                                        upload(bitmask, logits.device)))
     out = sampler(logits, batch)
     seq_ids = [s.seq_id for s in seqs]
     if out.logprobs is None:

@@ -38,6 +38,9 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     if p.logit_bias:
         msg.logit_bias_ids.extend(t for t, _ in p.logit_bias)
         msg.logit_bias_values.extend(b for _, b in p.logit_bias)
+    if p.structured is not None:
+        msg.structured_kind = p.structured.kind.value
+        msg.structured_spec = p.structured.spec
     return msg
 
 

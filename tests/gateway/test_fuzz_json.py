@@ -22,7 +22,8 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
           "top_logprobs", "user", "echo", "best_of", "logit_bias", "response_format",
-          "tools", "ignore_eos", "suffix"]
+          "tools", "ignore_eos", "suffix", "guided_json", "guided_regex", "guided_choice",
+          "guided_grammar"]
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70)

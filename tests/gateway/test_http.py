@@ -97,7 +97,14 @@ CHAT_TYPES = [
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "max_completion_tokens": 1.5}, "max_completion_tokens"),
     ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": [1]}}}, "response_format.json_schema.schema"),
+    ({"messages": CHAT, "guided_choice": "yes"}, "guided_choice"),
+    ({"messages": CHAT, "guided_json": "{not json"}, "guided_json"),
+    ({"messages": CHAT, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
 ]
 
 

@@ -135,13 +135,13 @@ def test_api_keys_from_every_source(tmp_path: Path) -> None:
 def test_unknown_fields_are_refused_by_name(parse: Any) -> None:
     """A vLLM extension this server does not implement must not be silently ignored."""
     with pytest.raises(APIError) as one:
-        parse({"guided_json": {"type": "object"}})
-    assert one.value.status == 400 and one.value.param == "guided_json"
-    assert "guided_json" in one.value.message
+        parse({"use_beam_search": True})
+    assert one.value.status == 400 and one.value.param == "use_beam_search"
+    assert "use_beam_search" in one.value.message
     with pytest.raises(APIError) as two:
-        parse({"guided_regex": "a+", "guided_grammar": "root ::= x", "temperature": 0})
-    assert two.value.param == "guided_grammar"  # the first, by name; both in the message
-    assert "guided_grammar, guided_regex" in two.value.message
+        parse({"prompt_logprobs": 1, "guided_whitespace_pattern": " ", "temperature": 0})
+    assert two.value.param == "guided_whitespace_pattern"  # the first, by name; both named
+    assert "guided_whitespace_pattern, prompt_logprobs" in two.value.message
     with pytest.raises(APIError) as nested:
         parse({"stream": True, "stream_options": {"include_usage": True, "extra": 1}})
     assert nested.value.param == "stream_options.extra"
