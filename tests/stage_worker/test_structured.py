@@ -9,7 +9,9 @@ that was never interrupted."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -38,30 +40,37 @@ CHOICES = ["red", "green", "blue", "not a colour"]
 MAX_STEPS = 160
 
 
+def _model_dir() -> Path:
+    """The default model's; on the GPU machine, which cannot fetch it, $STAGEMESH_GPU_MODEL's
+    (a checkpoint with the default model's tokenizer, `benchmarks.make_random_model`)."""
+    path = os.environ.get("STAGEMESH_GPU_MODEL")
+    return Path(path) if path else default_model_dir()
+
+
 @pytest.fixture(scope="module")
 def tok() -> ModelTokenizer:
-    return ModelTokenizer.from_dir(default_model_dir())
+    return ModelTokenizer.from_dir(_model_dir())
 
 
 @pytest.fixture(scope="module")
 def masks(tok: ModelTokenizer) -> GrammarMasks:
-    return GrammarMasks(default_model_dir(), tok.vocab_size)
+    return GrammarMasks(_model_dir(), tok.vocab_size)
 
 
 def generate(masks: GrammarMasks, tok: ModelTokenizer, params: SamplingParams,
-             seeds: range) -> list[str]:
+             seeds: range, device: str = "cpu") -> list[str]:
     """One output per seed, all sequences sampled together, step by step over random
     logits, until each samples EOS (the test fails if one has not within MAX_STEPS)."""
     seqs = [HeldSeq(i, [], [1], 1, 0, params) for i in range(len(seeds))]
     done: dict[int, list[int]] = {}
-    gen = torch.Generator().manual_seed(seeds.start)
+    gen = torch.Generator(device=device).manual_seed(seeds.start)
     sampler = Sampler()
     eos = set(tok.special.eos_ids)
     for _ in range(MAX_STEPS):
         live = [s for s in seqs if s.seq_id not in done]
         if not live:
             break
-        logits = torch.randn(len(live), tok.vocab_size, generator=gen) * 4
+        logits = torch.randn(len(live), tok.vocab_size, generator=gen, device=device) * 4
         ids, _ = sample_step(sampler, logits, live, tok.vocab_size, masks).resolve()
         for seq, token in zip(live, ids, strict=True):
             if token in eos:
@@ -81,6 +90,15 @@ def test_sampled_json_always_validates_against_the_schema(masks: GrammarMasks,
     for text in outputs:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert len(set(outputs)) > 20  # random logits: the outputs differ
+
+
+@pytest.mark.gpu
+def test_masks_on_cuda(masks: GrammarMasks, tok: ModelTokenizer) -> None:
+    """The masks uploaded to the GPU and applied there (the stage's path on CUDA)."""
+    params = SamplingParams(temperature=1.0, structured=StructuredOutput(
+        ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA)))
+    for text in generate(masks, tok, params, range(16), "cuda"):
+        jsonschema.validate(json.loads(text), SCHEMA)
 
 
 @pytest.mark.parametrize(("structured", "check"), [
