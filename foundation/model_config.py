@@ -41,6 +41,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Sliding-window attention (Mistral; Qwen2 with use_sliding_window): each token attends
+    # to at most this many keys. The runtime has no windowed attention, so the context is
+    # capped at the window (`max_position_embeddings` above is already the cap), where full
+    # attention and windowed attention are the same computation; None: no window.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -61,6 +66,8 @@ class ModelConfig:
         rope = _rope_params(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = _sliding_window(cfg, model_type)
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -72,19 +79,38 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions if window is None
+            else min(max_positions, window),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=_llama3_scaling(rope),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            sliding_window=window,
         )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         with open(model_dir / "config.json", encoding="utf-8") as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The attention window in force, or None: Mistral's `sliding_window` (null on models
+    without one); Qwen2's only with `use_sliding_window` (its configs carry a window they do
+    not use).
+
+    Raises:
+        ValueError: a window that is not a positive integer.
+    """
+    window = cfg.get("sliding_window")
+    if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json sliding_window must be a positive integer or null, "
+                         f"got {window!r}")
+    return window
 
 
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,10 @@ def plan_capacity(cfg: CoreConfig, model: ModelConfig, shape: PipelineShape) -> 
     _check_flag("--max-num-seqs", cfg.max_num_seqs, shape, "max_num_seqs",
                 "the most sequences it takes in one step")
     context = model.max_position_embeddings
+    if model.sliding_window is not None and model.sliding_window <= context:
+        log.warning("the model attends over a sliding window of %d tokens, which stagemesh "
+                    "does not implement: its context is capped at the window (exact up to "
+                    "there)", model.sliding_window)
     if cfg.max_model_len:
         context = min(context, cfg.max_model_len)
     max_len = min(context, shape.num_kv_blocks * shape.block_size)
