@@ -56,3 +56,58 @@ def partition_layers(
         ranges.append(LayerRange(start, start + n, i == 0, i == num_stages - 1))
         start += n
     return ranges
+
+
+def balance_layers(num_layers: int, budgets: Sequence[int], layer_bytes: int,
+                   first_extra: int, last_extra: int, kv_bytes_per_token_layer: int
+                   ) -> list[int]:
+    """Layers per stage that give the pipeline the most KV room (`--layers auto`).
+
+    Stage i has `budgets[i]` bytes (its share of its device's free memory); it holds its
+    layers' weights (`layer_bytes` each), the embedding on the first stage (`first_extra`)
+    and the head on the last (`last_extra`), and KV for every token of every layer it holds
+    (`kv_bytes_per_token_layer`). The router sizes its pool by the stage that holds the
+    fewest tokens, so the split maximises min_i (budget_i - weights_i) / (kv per token of
+    stage i): a device with twice the memory takes about twice the layers, and the stages
+    that carry the embedding or the head take fewer. Ties go to the stages in order.
+
+    Raises:
+        ValueError: no split fits (a stage cannot hold even one layer and its extras).
+    """
+    stages = len(budgets)
+    if stages < 1 or stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    extras = [(first_extra if i == 0 else 0) + (last_extra if i == stages - 1 else 0)
+              for i in range(stages)]
+
+    def most_layers(i: int, tokens: int) -> int:
+        """The most layers stage i holds with KV room for `tokens` tokens per layer."""
+        free = budgets[i] - extras[i]
+        return max(0, free // (layer_bytes + tokens * kv_bytes_per_token_layer))
+
+    lo, hi = 0, max(budgets) // max(1, kv_bytes_per_token_layer) + 1
+    if sum(min(most_layers(i, 0), num_layers) for i in range(stages)) < num_layers or \
+            min(most_layers(i, 0) for i in range(stages)) < 1:
+        raise ValueError(f"the stages' memory ({', '.join(map(str, budgets))} bytes) cannot "
+                         f"hold {num_layers} layers of {layer_bytes} bytes with at least one "
+                         "per stage")
+    while lo < hi:  # the largest token count every stage can give room to
+        mid = (lo + hi + 1) // 2
+        caps = [most_layers(i, mid) for i in range(stages)]
+        if min(caps) >= 1 and sum(caps) >= num_layers:
+            lo = mid
+        else:
+            hi = mid - 1
+    caps = [min(most_layers(i, lo), num_layers - stages + 1) for i in range(stages)]
+    counts = [1] * stages
+    left = num_layers - stages
+    # Hand out the rest where room is largest: one layer at a time to the stage whose KV
+    # room per token stays highest after taking it.
+    while left:
+        def room_after(i: int) -> float:
+            used = extras[i] + (counts[i] + 1) * layer_bytes
+            return (budgets[i] - used) / ((counts[i] + 1) * kv_bytes_per_token_layer)
+        best = max((i for i in range(stages) if counts[i] < caps[i]), key=room_after)
+        counts[best] += 1
+        left -= 1
+    return counts

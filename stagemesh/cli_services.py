@@ -54,11 +54,17 @@ def _add_metrics_port_arg(p: argparse.ArgumentParser, env: str, what: str) -> No
 
 
 def _layers(text: str) -> tuple[int, ...]:
+    """A stage's or serve's explicit split."""
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"layers must be comma-separated counts, got {text!r}") from None
+
+
+def _serve_layers(text: str) -> tuple[int, ...] | str:
+    """serve's: an explicit split, or "auto"."""
+    return "auto" if text == "auto" else _layers(text)
 
 
 def at_least_one(text: str) -> int:
@@ -344,10 +350,12 @@ def _add_serve(commands: SubParsers) -> None:
     _add_model_args(p)
     p.add_argument("--stages", type=int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--layers", type=_layers, default=None, metavar="N,N,...",
+    p.add_argument("--layers", type=_serve_layers, default=None, metavar="N,N,...|auto",
                    help="layers per stage, pipeline order, e.g. 18,12: an uneven split (a "
                         "stage on a device with more memory takes more); they must sum to "
-                        "the model's layers (default: as even as possible)")
+                        "the model's layers. auto: split by each stage's share of its "
+                        "device's free memory, for the most KV room (the even split on CPU) "
+                        "(default: as even as possible)")
     p.add_argument("--standby", type=int, default=0, metavar="N",
                    help="standby stage processes to keep beside the pipeline: when a stage "
                         "does not come back within --standby-grace, one takes its place "

@@ -28,6 +28,7 @@ from foundation.model_config import ModelConfig
 from foundation.modelstore import resolve_model
 from foundation.ports import free_port
 from stage_worker.partition import partition_layers
+from stagemesh.placement import auto_layers
 
 READY_TIMEOUT_S = 600.0
 
@@ -138,26 +139,21 @@ def _stage_flags(args: argparse.Namespace, device: str, stages_on_device: int) -
     return flags
 
 
+def _stage_env(args: argparse.Namespace, device: str) -> dict[str, str]:
+    """The threads of a CPU stage's TP ranks: they compute at once and meet at a collective
+    every layer, so each gets its share of the cores (as torchrun does), not all of them:
+    tp ranks each spinning up a thread per core oversubscribe the host (decode ran 2.5x
+    slower with --tp 2 on 2 cores). An OMP_NUM_THREADS the user set is kept."""
+    if device != "cpu" or args.tp == 1 or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // args.tp))}
+
+
 def build_children(args: argparse.Namespace, workdir: Path,
                    api_keys: frozenset[str] = frozenset()) -> list[Child]:
     """`api_keys`: accepted by the router and the gateway (the gateway presents one)."""
     py = [sys.executable, "-m", "stagemesh"]
     model = str(resolve_model(args.model))
-    if args.layers:  # refused here, before any process starts, not by each stage
-        try:
-            num_layers = ModelConfig.from_dir(Path(model)).num_layers
-        except (KeyError, ValueError) as e:
-            raise SystemExit(f"stagemesh serve: cannot read {model}/config.json to check "
-                             f"--layers: {e!r}") from None
-        try:
-            partition_layers(num_layers, args.stages, args.layers)
-        except ValueError as e:
-            raise SystemExit(f"stagemesh serve: --layers: {e}") from None
-    # The pairing secret of this pipeline: its stages serve only this router. In the
-    # environment, never in argv; one per launch unless $STAGEMESH_STAGE_TOKEN names it.
-    pairing = {STAGE_TOKEN_ENV: os.environ.get(STAGE_TOKEN_ENV) or secrets.token_urlsafe(32)}
-    children = []
-    stage_addresses = []
     devices = _stage_devices(args)
     if args.standby and args.tp != 1:
         raise SystemExit("stagemesh serve: --standby needs --tp 1 (a standby stage spawns no "
@@ -165,6 +161,27 @@ def build_children(args: argparse.Namespace, workdir: Path,
     # Standby stages share the devices in turn; each counts in its device's memory split.
     standby_devices = [devices[j % len(devices)] for j in range(args.standby)]
     on_device = [*devices, *standby_devices].count
+    if args.layers:  # refused here, before any process starts, not by each stage
+        try:
+            cfg = ModelConfig.from_dir(Path(model))
+        except (KeyError, ValueError) as e:
+            raise SystemExit(f"stagemesh serve: cannot read {model}/config.json to check "
+                             f"--layers: {e!r}") from None
+        try:
+            if args.layers == "auto":
+                layers = auto_layers(cfg, devices, {d: on_device(d) for d in devices},
+                                     args.dtype)
+                print(f"stagemesh serve: --layers auto: {','.join(map(str, layers))} "
+                      f"(devices {', '.join(devices)})", flush=True)
+                args = argparse.Namespace(**{**vars(args), "layers": layers})
+            partition_layers(cfg.num_layers, args.stages, args.layers)
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"stagemesh serve: --layers: {e}") from None
+    # The pairing secret of this pipeline: its stages serve only this router. In the
+    # environment, never in argv; one per launch unless $STAGEMESH_STAGE_TOKEN names it.
+    pairing = {STAGE_TOKEN_ENV: os.environ.get(STAGE_TOKEN_ENV) or secrets.token_urlsafe(32)}
+    children = []
+    stage_addresses = []
     def metrics(host: str) -> tuple[list[str], str]:
         """The flag and URL of a child's metrics endpoint on a free port (none with
         --no-metrics). A restarted child keeps its port."""
@@ -184,7 +201,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
                 "--ready-file", str(workdir / f"stage{i}"), *flags,
                 *_stage_flags(args, device, on_device(device))]
         children.append(Child(f"stage {i}", argv, workdir / f"stage{i}", restart=True,
-                              env=pairing, metrics=url))
+                              env={**pairing, **_stage_env(args, device)}, metrics=url))
     standby_addresses = []
     for j, device in enumerate(standby_devices):
         port = free_port()
