@@ -19,10 +19,15 @@ from router.pipeline.convert import (
 from router.pipeline.outcome import StepOutcome
 from router.pipeline.shape import PipelineError, PipelineShape, StageInfo
 
+# A stage that is down (restarting, not started yet) is retried by `Pipeline.start` every
+# START_RETRY_S; the channel's reconnect backoff is capped near that, else gRPC's default
+# (1 s growing 1.6x up to 120 s) leaves a stage that is back unlinked for seconds to minutes.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.keepalive_time_ms", 10_000),
-                   ("grpc.keepalive_timeout_ms", 5_000)]
+                   ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.initial_reconnect_backoff_ms", 250),
+                   ("grpc.max_reconnect_backoff_ms", 1_000)]
 
 
 @dataclass(frozen=True, slots=True)

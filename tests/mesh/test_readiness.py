@@ -51,7 +51,7 @@ def test_readiness_tracks_the_stage_and_requests_survive_a_restart() -> None:
         async def reference() -> str:
             async with RouterClient(address) as client:
                 out = await client.complete(messages=messages, temperature=0.0,
-                                            max_tokens=120, ignore_eos=True)
+                                            max_tokens=60, ignore_eos=True)
                 return out.texts[0]
 
         async def with_fault() -> list[str]:
@@ -61,7 +61,7 @@ def test_readiness_tracks_the_stage_and_requests_survive_a_restart() -> None:
                 async def one() -> str:
                     text = ""
                     async for chunk in client.generate(messages=messages, temperature=0.0,
-                                                       max_tokens=120, ignore_eos=True,
+                                                       max_tokens=60, ignore_eos=True,
                                                        timeout=300):
                         text += chunk.text
                         if len(text) > 20:

@@ -23,7 +23,7 @@ from tests.mesh.harness import SERVING, greedy_streams, wait_idle, wait_status
 
 pytestmark = pytest.mark.slow
 
-STREAMS, TOKENS = 16, 24
+STREAMS, TOKENS = 16, 12
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(STREAMS)]
 
 
