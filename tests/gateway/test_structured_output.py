@@ -37,13 +37,12 @@ def client(base_url: str) -> openai.OpenAI:
 def test_json_schema_samples_all_validate(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
                                                   "strict": True}}
-    for seed in (1, 2):
-        out = client.chat.completions.create(model=MODEL, messages=ASK,  # type: ignore[call-overload]
-                                             response_format=fmt, n=3, seed=seed,
-                                             temperature=1.0, max_tokens=80)
-        for choice in out.choices:
-            assert choice.finish_reason == "stop", choice
-            jsonschema.validate(json.loads(choice.message.content), PERSON)
+    out = client.chat.completions.create(model=MODEL, messages=ASK,  # type: ignore[call-overload]
+                                         response_format=fmt, n=4, seed=1,
+                                         temperature=1.0, max_tokens=80)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
 def test_streamed_json_object_and_guided_fields(client: openai.OpenAI) -> None:

@@ -1,5 +1,5 @@
 """SIGKILL of the first, the middle and the last stage of a 3-stage pipeline, and of one TP
-rank of a TP=2 stage, each while 16 greedy streams run (real processes: `stagemesh serve`,
+rank of a TP=2 stage, each while 8 greedy streams run (real processes: `stagemesh serve`,
 the default model on CPU). What brings the stage back is serve's own restart, as
 Kubernetes would restart a pod; the router re-links the data plane and re-prefills. Every
 stream must end with exactly the text of a fault-free run, and KV must return to idle on
@@ -31,7 +31,7 @@ from tests.mesh.harness import (
 
 pytestmark = pytest.mark.slow
 
-STREAMS, TOKENS = 16, 12
+STREAMS, TOKENS = 8, 12
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(STREAMS)]
 
 

@@ -86,10 +86,10 @@ def test_sampled_json_always_validates_against_the_schema(masks: GrammarMasks,
                                                           tok: ModelTokenizer) -> None:
     params = SamplingParams(temperature=1.0, structured=StructuredOutput(
         ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA)))
-    outputs = generate(masks, tok, params, range(24))
+    outputs = generate(masks, tok, params, range(16))
     for text in outputs:
         jsonschema.validate(json.loads(text), SCHEMA)
-    assert len(set(outputs)) > 20  # random logits: the outputs differ
+    assert len(set(outputs)) > 12  # random logits: the outputs differ
 
 
 @pytest.mark.gpu
@@ -112,7 +112,7 @@ def test_regex_choice_and_grammar_outputs_match(masks: GrammarMasks, tok: ModelT
                                                        structured: StructuredOutput,
                                                        check: object) -> None:
     params = SamplingParams(temperature=1.0, structured=structured)
-    for text in generate(masks, tok, params, range(8)):
+    for text in generate(masks, tok, params, range(6)):
         assert check(text), text  # type: ignore[operator]
 
 
