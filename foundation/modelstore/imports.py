@@ -22,10 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from foundation.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
-from foundation.modelstore.atomic import exclusive, swap_into_place
+from foundation.modelstore.atomic import (
+    exclusive,
+    marker_matches,
+    seal_import,
+    swap_into_place,
+)
 from foundation.modelstore.errors import ModelError
 from foundation.modelstore.layout import (
-    IMPORT_MARKER,
     TOKENIZER_CONFIG,
     check_model_dir,
     read_json_object,
@@ -55,12 +59,12 @@ def import_model(path: Path, home: Path, force: bool = False) -> Path:
     gguf_architecture(path)  # refuse early, before transformers reads every tensor
     identity = _identity(path)
     dest = home / "models" / f"{path.stem}-{identity['key']}"
-    if not force and _imported(dest, identity):
+    if not force and marker_matches(dest, identity):
         return dest
     models = dest.parent
     models.mkdir(parents=True, exist_ok=True)
     with exclusive(models / f".{dest.name}.lock"):
-        if not force and _imported(dest, identity):
+        if not force and marker_matches(dest, identity):
             return dest
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=models))
         try:
@@ -76,8 +80,8 @@ def import_model(path: Path, home: Path, force: bool = False) -> Path:
             say(f"imported {summary.n_tensors} tensors ({summary.n_params / 1e6:.1f}M "
                 f"params) in {summary.seconds:.1f} s")
             verify_model(tmp)
-            marker = {**identity, "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            (tmp / IMPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n", "utf-8")
+            seal_import(tmp, {**identity, "import_seconds": round(summary.seconds, 1),
+                              "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
             swap_into_place(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -179,11 +183,3 @@ def _identity(path: Path) -> dict[str, Any]:
     return {"format": _IMPORT_FORMAT, "source": str(path), "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns,
             "key": hashlib.sha256(source.encode()).hexdigest()[:12]}
-
-
-def _imported(dest: Path, identity: dict[str, Any]) -> bool:
-    try:
-        marker = json.loads((dest / IMPORT_MARKER).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(marker, dict) and all(marker.get(k) == v for k, v in identity.items())

