@@ -80,34 +80,18 @@ def balance_layers(num_layers: int, budgets: Sequence[int], layer_bytes: int,
     extras = [(first_extra if i == 0 else 0) + (last_extra if i == stages - 1 else 0)
               for i in range(stages)]
 
-    def most_layers(i: int, tokens: int) -> int:
-        """The most layers stage i holds with KV room for `tokens` tokens per layer."""
-        free = budgets[i] - extras[i]
-        return max(0, free // (layer_bytes + tokens * kv_bytes_per_token_layer))
+    def room_after(i: int) -> float:
+        """KV tokens per layer stage i has room for once it holds one more layer."""
+        used = extras[i] + (counts[i] + 1) * layer_bytes
+        return (budgets[i] - used) / ((counts[i] + 1) * kv_bytes_per_token_layer)
 
-    lo, hi = 0, max(budgets) // max(1, kv_bytes_per_token_layer) + 1
-    if sum(min(most_layers(i, 0), num_layers) for i in range(stages)) < num_layers or \
-            min(most_layers(i, 0) for i in range(stages)) < 1:
+    # Each stage's room falls as it takes layers, so handing each layer in turn to the stage
+    # whose room stays largest maximises the smallest room (an exchange argument).
+    counts = [1] * stages
+    for _ in range(num_layers - stages):
+        counts[max(range(stages), key=room_after)] += 1
+    if min(budgets[i] - extras[i] - counts[i] * layer_bytes for i in range(stages)) < 0:
         raise ValueError(f"the stages' memory ({', '.join(map(str, budgets))} bytes) cannot "
                          f"hold {num_layers} layers of {layer_bytes} bytes with at least one "
                          "per stage")
-    while lo < hi:  # the largest token count every stage can give room to
-        mid = (lo + hi + 1) // 2
-        caps = [most_layers(i, mid) for i in range(stages)]
-        if min(caps) >= 1 and sum(caps) >= num_layers:
-            lo = mid
-        else:
-            hi = mid - 1
-    caps = [min(most_layers(i, lo), num_layers - stages + 1) for i in range(stages)]
-    counts = [1] * stages
-    left = num_layers - stages
-    # Hand out the rest where room is largest: one layer at a time to the stage whose KV
-    # room per token stays highest after taking it.
-    while left:
-        def room_after(i: int) -> float:
-            used = extras[i] + (counts[i] + 1) * layer_bytes
-            return (budgets[i] - used) / ((counts[i] + 1) * kv_bytes_per_token_layer)
-        best = max((i for i in range(stages) if counts[i] < caps[i]), key=room_after)
-        counts[best] += 1
-        left -= 1
     return counts

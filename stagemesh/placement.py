@@ -10,11 +10,13 @@ split is the even one.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Sequence
 
 from foundation.model_config import ModelConfig
+from foundation.modelstore.imports import expected_tensors
 from stage_worker.partition import balance_layers, partition_layers
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -42,10 +44,10 @@ def auto_layers(cfg: ModelConfig, devices: Sequence[str], share_of: dict[str, in
         return tuple(len(r) for r in partition_layers(cfg.num_layers, len(devices)))
     free = free if free is not None else free_memory(devices)
     size = _DTYPE_BYTES.get(cfg.torch_dtype if dtype == "auto" else dtype, 2)
-    h, heads, kv_heads, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    layer_params = (h * (heads + 2 * kv_heads) * hd + heads * hd * h  # q, k, v, o
-                    + 3 * h * cfg.intermediate_size + 2 * h)  # gate, up, down; two norms
+    layer_params = sum(math.prod(shape) for name, shape in expected_tensors(cfg).items()
+                       if name.startswith("model.layers.0."))
+    h = cfg.hidden_size
     embedding = cfg.vocab_size * h * size  # the last stage holds the head (a copy if tied)
     budgets = [int(free[d] * 0.9) // share_of[d] for d in devices]
     return tuple(balance_layers(cfg.num_layers, budgets, layer_params * size, embedding,
-                                embedding + h * size, 2 * kv_heads * hd * size))
+                                embedding + h * size, 2 * cfg.num_kv_heads * cfg.head_dim * size))
