@@ -220,13 +220,13 @@ def run_case(engine: Engine, kind: str, spec: Any, name: str, ids: list[int],
 def main() -> None:
     from tokenizers import Tokenizer
 
-    from tests.default_model import default_model_dir
+    from foundation.modelstore import fetch_default_model
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", type=Path, default=None, help="default: the default model")
     ap.add_argument("--out", type=Path, default=Path("grammar_engines.json"))
     args = ap.parse_args()
-    model = args.model or default_model_dir()
+    model = args.model or fetch_default_model()
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     config = json.loads((model / "config.json").read_text())
     vocab = config["vocab_size"]

@@ -97,8 +97,10 @@ def test_masks_on_cuda(masks: GrammarMasks, tok: ModelTokenizer) -> None:
     """The masks uploaded to the GPU and applied there (the stage's path on CUDA)."""
     params = SamplingParams(temperature=1.0, structured=StructuredOutput(
         ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA)))
-    for text in generate(masks, tok, params, range(16), "cuda"):
+    outputs = generate(masks, tok, params, range(16), "cuda")
+    for text in outputs:
         jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(outputs)) > 12  # random logits: the outputs differ
 
 
 @pytest.mark.parametrize(("structured", "check"), [
