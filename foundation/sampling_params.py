@@ -53,6 +53,11 @@ class SamplingParams:
         logit -= presence * (count > 0) + frequency * count; 0 is off.
     logprobs: None returns no log-probabilities; k >= 0 returns the sampled token's
         log-probability plus the k most likely alternatives.
+    prompt_logprobs: None returns none for the prompt; k >= 0 returns, for every prompt
+        token after the first, its log-probability given the tokens before it plus the k
+        most likely alternatives at that position (vLLM's `prompt_logprobs`). The last
+        stage computes the logits of every prompt position for it, and the router reads
+        no cached prefix for the request (a cached position has no logits).
     min_tokens: no id of `banned_until_min` is sampled before this many outputs (vLLM's:
         the router fills that with the EOS ids and the request's stop_token_ids).
     logit_bias: (token id, bias) pairs added to those logits before sampling (OpenAI's;
@@ -71,6 +76,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     banned_until_min: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -118,6 +124,9 @@ class SamplingParams:
                 _fail(name, f"must be in [{-limit}, {limit}], got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             _fail("logprobs", f"must be None or in [0, {max_logprobs}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            _fail("prompt_logprobs",
+                  f"must be None or in [0, {max_logprobs}], got {self.prompt_logprobs}")
         if self.min_tokens < 0:
             _fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:

@@ -26,6 +26,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         min_tokens=msg.min_tokens, banned_until_min=tuple(msg.banned_until_min),
         logit_bias=tuple(zip(msg.logit_bias_ids, msg.logit_bias_values, strict=True)),
         structured=StructuredOutput(ConstraintKind(msg.structured_kind), msg.structured_spec)
@@ -164,11 +165,20 @@ def outcome_to_proto(outcome: StageOutcome) -> pb.StepResult:
                         top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs)
         for t in outcome.logprobs
     ]
+    prompt = [
+        pb.PromptLogprobs(seq_id=p.seq_id, start=p.start, token_ids=p.token_ids,
+                          logprobs=p.logprobs,
+                          num_top=len(p.top_token_ids[0]) if p.top_token_ids else 0,
+                          top_token_ids=[t for top in p.top_token_ids for t in top],
+                          top_logprobs=[v for top in p.top_logprobs for v in top])
+        for p in outcome.prompt_logprobs
+    ]
     return pb.StepResult(step_id=outcome.step_id, tokens=logprobs,
                          kv_blocks_used=outcome.kv_blocks_used,
                          num_sequences=outcome.num_sequences,
                          sampled_seq_ids=pack_int64(outcome.seq_ids),
-                         sampled_token_ids=pack_int64(outcome.token_ids))
+                         sampled_token_ids=pack_int64(outcome.token_ids),
+                         prompt_logprobs=prompt)
 
 
 def pack_int64(values: Sequence[int]) -> bytes:

@@ -34,6 +34,9 @@ class HeldSeq:
     # sampling step, and how many of output_ids it has consumed (`stage_worker.structured`).
     grammar: Any = None
     grammar_consumed: int = 0
+    # Prompt log probabilities asked (last stage): positions below this score the prompt
+    # token after them (prompt_len - 1); 0 when not asked.
+    score_prompt_below: int = 0
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -58,7 +61,7 @@ class StepInputs:
     def add(self, state: HeldSeq, num_computed: int, num_new: int, sample: bool) -> None:
         """Append `state`'s chunk of [num_computed, num_computed + num_new) and its inputs."""
         self.chunks.append(SeqChunk(state.seq_id, num_computed, num_new, state.block_table,
-                                    sample))
+                                    sample, _prompt_rows(state, num_computed, num_new)))
         self.input_ids += state.token_ids[num_computed:num_computed + num_new]
 
 
@@ -103,6 +106,8 @@ class HeldSeqs:
             state = HeldSeq(new.seq_id, list(new.block_ids), tokens, new.prompt_len,
                             max(0, len(new.token_ids) - new.prompt_len),
                             new.sampling if keep else None, outputs)
+            if keep and new.sampling is not None and new.sampling.prompt_logprobs is not None:
+                state.score_prompt_below = new.prompt_len - 1
             self.seqs[new.seq_id] = state
             self.block_refs.update(new.block_ids)
             inputs.add(state, new.num_computed, new.num_new, new.sample)
@@ -124,7 +129,9 @@ class HeldSeqs:
             elif keep and cached.append_token_ids:
                 state.token_ids += cached.append_token_ids
             chunks.append(SeqChunk(cached.seq_id, start, num_new, state.block_table,
-                                   cached.sample))
+                                   cached.sample,
+                                   0 if start >= state.score_prompt_below
+                                   else _prompt_rows(state, start, num_new)))
             if keep:
                 input_ids += state.token_ids[start:start + num_new]
         return inputs
@@ -172,3 +179,9 @@ class HeldSeqs:
         self.block_refs.clear()
         self._unfilled.clear()
         return dropped
+
+
+def _prompt_rows(state: HeldSeq, num_computed: int, num_new: int) -> int:
+    """How many leading rows of the chunk [num_computed, num_computed + num_new) score the
+    prompt token after them (see `SeqChunk.prompt_rows`)."""
+    return max(0, min(num_computed + num_new, state.score_prompt_below) - num_computed)

@@ -36,7 +36,7 @@ from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
 from stage_worker.host_transfer import host_tensor
 from stage_worker.links import DataPlaneAddress, DataPlaneLinks, offered_transports, ring_config
 from stage_worker.metrics import StageMetrics, StepWindow
-from stage_worker.plan import SampledToken, StageOutcome, StagePlan
+from stage_worker.plan import PromptLogprobs, SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample
@@ -52,6 +52,7 @@ class _Sampling:
 
     step_id: int
     sample: StepSample | None  # None: the step sampled nothing
+    prompt: tuple[PromptLogprobs, ...] = ()  # the step's prompt log probabilities
 
 
 class StageLeader:
@@ -250,7 +251,7 @@ class StageLeader:
         rank.held.note_sampling(step_id, sample.seq_ids)
         if rank.is_first:
             self.feedback.put(StepTokens(step_id, sample.seq_ids, None, sample.token_ids))
-        return _Sampling(step_id, sample)
+        return _Sampling(step_id, sample, rank.prompt_logprobs(chunks, scores))
 
     def _resolve(self, sampling: _Sampling) -> StageOutcome:
         """Last stage: wait once for the tokens' host copy, record them and send them to
@@ -266,14 +267,15 @@ class StageLeader:
         if not rank.is_first:
             self.links.send_feedback(sampling.step_id,
                                      [host_tensor(seq_ids), host_tensor(token_ids)])
-        return self._outcome(sampling.step_id, seq_ids, token_ids, logprobs)
+        return self._outcome(sampling.step_id, seq_ids, token_ids, logprobs, sampling.prompt)
 
     def _outcome(self, step_id: int, seq_ids: tuple[int, ...] = (),
                  token_ids: tuple[int, ...] = (),
-                 logprobs: tuple[SampledToken, ...] = ()) -> StageOutcome:
+                 logprobs: tuple[SampledToken, ...] = (),
+                 prompt: tuple[PromptLogprobs, ...] = ()) -> StageOutcome:
         held = self.rank.held
         return StageOutcome(step_id, seq_ids, token_ids, logprobs, held.kv_blocks_used,
-                            len(held.seqs))
+                            len(held.seqs), prompt)
 
     def _receive(self, plan: StagePlan) -> torch.Tensor:
         """The step's activations [T, H] from upstream (in any form `compress` makes),

@@ -43,10 +43,11 @@ class NullRunner(ModelRunner):
         """Nothing to copy: there is no KV."""
 
     def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
-        """Zeros [T, H] (first stage), `inputs` (middle), or [S, 0] scores (last stage)."""
+        """Zeros [T, H] (first stage), `inputs` (middle), or [S + P, 0] scores (last stage;
+        see `StageRunner.execute`)."""
         layers = self._shape.layers
         if layers.is_last:
-            return torch.empty(sum(c.sample for c in chunks), 0)
+            return torch.empty(sum(c.sample + c.prompt_rows for c in chunks), 0)
         if layers.is_first:
             return torch.zeros(len(inputs), self._shape.hidden_size, dtype=self._shape.dtype)
         return inputs

@@ -83,12 +83,31 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Log probabilities of a stretch of one sequence's prompt, from one step's chunk.
+
+    Entry i scores the prompt token at position `start + i` (>= 1) given the tokens before
+    it: its id, its log probability and the `k` most likely tokens at that position (most
+    likely first), for sequences whose settings ask for `prompt_logprobs=k`.
+    """
+
+    seq_id: int
+    start: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_token_ids: tuple[tuple[int, ...], ...]
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
 class StageOutcome:
     """What a stage reports after a step.
 
     seq_ids / token_ids: on the last stage, the token sampled for every sampling sequence,
         in batch order (aligned); empty elsewhere.
     logprobs: one record per sampling sequence that asked for log probabilities.
+    prompt_logprobs: on the last stage, one record per chunk of the step that computed
+        prompt positions of a sequence asking for prompt log probabilities.
     """
 
     step_id: int
@@ -97,6 +116,7 @@ class StageOutcome:
     logprobs: tuple[SampledToken, ...]
     kv_blocks_used: int
     num_sequences: int
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
     @property
     def sampled(self) -> dict[int, int]:

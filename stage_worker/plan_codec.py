@@ -7,12 +7,13 @@ the ones encoded. `fed` holds the run-ahead inputs the leader resolved (seq_id -
 rank 0 holds the feedback link). Layout, in order:
 
     0 header        [2]         CODEC_VERSION, step_id
-    1 new_seqs      [N, 18]     per new sequence: seq_id, prompt_len, num_computed, num_new,
+    1 new_seqs      [N, 19]     per new sequence: seq_id, prompt_len, num_computed, num_new,
                                 sample, len(token_ids), len(block_ids), has_sampling, top_k,
                                 seed_kind (0 none, 1 seed >= 0, 2 seed < 0), seed mod 2**64
                                 as int64, logprobs (-1 none), then the float64 bit patterns
                                 of temperature, top_p, min_p, repetition_penalty,
-                                presence_penalty, frequency_penalty
+                                presence_penalty, frequency_penalty, then prompt_logprobs
+                                (-1 none: every rank computes the same logit rows)
     2 new_tokens    [sum len]   every new sequence's token ids, back to back
     3 new_blocks    [sum len]   every new sequence's block ids, back to back
     4 cached_seqs   [C, 7]      per cached sequence: seq_id, num_computed, num_new, sample,
@@ -36,9 +37,9 @@ import torch
 from foundation.sampling_params import SamplingParams
 from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan
 
-CODEC_VERSION = 2
+CODEC_VERSION = 3
 NUM_TENSORS = 10
-NEW_COLUMNS = 18
+NEW_COLUMNS = 19
 CACHED_COLUMNS = 7
 _F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
 _MASK64 = (1 << 64) - 1
@@ -133,7 +134,8 @@ def _new_row(s: StageNewSeq) -> list[int]:
     floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
               p.frequency_penalty)
     return head + [1, p.top_k, seed_kind, seed_bits,
-                   -1 if p.logprobs is None else p.logprobs] + [_float_bits(x) for x in floats]
+                   -1 if p.logprobs is None else p.logprobs] + [_float_bits(x) for x in floats] \
+        + [-1 if p.prompt_logprobs is None else p.prompt_logprobs]
 
 
 def _new_seq(r: list[int], tokens: tuple[int, ...], blocks: tuple[int, ...]) -> StageNewSeq:
@@ -145,5 +147,6 @@ def _new_seq(r: list[int], tokens: tuple[int, ...], blocks: tuple[int, ...]) -> 
         sampling = SamplingParams(
             temperature=temperature, top_k=r[8], top_p=top_p, min_p=min_p, seed=seed,
             repetition_penalty=repetition, presence_penalty=presence,
-            frequency_penalty=frequency, logprobs=None if r[11] < 0 else r[11])
+            frequency_penalty=frequency, logprobs=None if r[11] < 0 else r[11],
+            prompt_logprobs=None if r[18] < 0 else r[18])
     return StageNewSeq(r[0], tokens, r[1], blocks, r[2], r[3], bool(r[4]), sampling)

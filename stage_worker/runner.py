@@ -25,7 +25,7 @@ from stage_worker.models.llama import LlamaStageModel
 from stage_worker.parallel import TPGroup, shard_heads
 from stage_worker.partition import LayerRange
 from stage_worker.sampling import Sampler
-from stage_worker.step_input import SeqChunk, build_context, sample_rows
+from stage_worker.step_input import SeqChunk, build_context, score_rows
 from stage_worker.step_sampling import StepSample, sample_step
 from stage_worker.structured import GrammarMasks
 
@@ -197,7 +197,8 @@ class StageRunner(ModelRunner):
         inputs: token ids [T] (int64) on the first stage, hidden states [T, H] elsewhere, T
         being the sum of the chunks' num_new, in chunk order.
         Returns hidden states [T, H] on a non-last stage; on the last stage, fp32 logits
-        [S, V] for the chunks with `sample` set, in chunk order.
+        [S + P, V]: the S chunks with `sample` set (their last rows), then the P prompt rows
+        of chunks with `prompt_rows` (see `step_input.score_rows`).
         """
         device = self.cfg.device
         inputs = upload(inputs, device)  # a no-op for inputs already there
@@ -208,8 +209,8 @@ class StageRunner(ModelRunner):
             hidden = self.model(inputs, self.kv.layers(), ctx)
         if not self.is_last:
             return hidden
-        rows = sample_rows(chunks)
-        if len(rows) < hidden.shape[0]:  # not every row samples (prefill chunks)
+        rows, num_prompt = score_rows(chunks)
+        if num_prompt or len(rows) < hidden.shape[0]:  # not the rows in order, one each
             hidden = hidden[to_device(rows, torch.int64, device)]
         return self.model.compute_logits(hidden)
 

@@ -17,10 +17,10 @@ from stage_worker.held_seqs import HeldSeqs
 from stage_worker.host_transfer import host_tensor, upload
 from stage_worker.model_runner import ModelRunner
 from stage_worker.parallel import TPGroup
-from stage_worker.plan import PlanError, StagePlan
+from stage_worker.plan import PlanError, PromptLogprobs, StagePlan
 from stage_worker.plan_check import StepLimits, check_plan
 from stage_worker.step_input import SeqChunk
-from stage_worker.step_sampling import StepSample
+from stage_worker.step_sampling import StepSample, score_prompts
 
 
 class StageRank:
@@ -102,7 +102,18 @@ class StageRank:
         """Last stage, rank 0: pick a token for every sampling chunk (chunk order) from the
         scores `step` returned. The tokens' host copy is under way; the caller resolves it
         and records the tokens (`held.record_sampled`)."""
-        return self.runner.sample([self.held.seqs[c.seq_id] for c in chunks if c.sample], scores)
+        seqs = [self.held.seqs[c.seq_id] for c in chunks if c.sample]
+        return self.runner.sample(seqs, scores[:len(seqs)])
+
+    def prompt_logprobs(self, chunks: Sequence[SeqChunk], scores: torch.Tensor
+                        ) -> tuple[PromptLogprobs, ...]:
+        """Last stage, rank 0: the prompt log probabilities of the step's chunks with
+        `prompt_rows` (none asked: empty), from the rows of `scores` after the sampling
+        ones. Waits for the device when there are some."""
+        num_prompt = scores.shape[0] - sum(c.sample for c in chunks)
+        if not num_prompt:
+            return ()
+        return score_prompts(scores[scores.shape[0] - num_prompt:], chunks, self.held.seqs)
 
     def reset(self) -> int:
         """Forget every sequence and the last step id (the Run stream ended); returns how

@@ -32,6 +32,8 @@ class SeqChunk(NamedTuple):
                   (a stage passes its held sequence's own list: read it during the step
                   that built the chunk, never keep it)
     sample:       whether the last stage samples a token from this chunk's last position
+    prompt_rows:  last stage: how many leading rows of the chunk score the next prompt token
+                  (prompt log probabilities asked; 0 otherwise)
     """
 
     seq_id: int
@@ -39,6 +41,7 @@ class SeqChunk(NamedTuple):
     num_new: int
     block_table: Sequence[int]
     sample: bool = True
+    prompt_rows: int = 0
 
 
 class _HostLayout(NamedTuple):
@@ -111,11 +114,17 @@ def _host_layout(chunks: Sequence[SeqChunk], rows: array[int]) -> _HostLayout:
     return _HostLayout(seq_lens, query_start, max_query_len, decode_seqs, prefill_seqs, arrays)
 
 
-def sample_rows(chunks: Sequence[SeqChunk]) -> list[int]:
-    """Row index (in the step's token order) of the last token of every sampling chunk."""
-    rows, end = [], 0
+def score_rows(chunks: Sequence[SeqChunk]) -> tuple[list[int], int]:
+    """The rows (indices in the step's token order) the last stage computes logits for, and
+    how many of them score prompt tokens: the last row of every sampling chunk, then every
+    chunk's `prompt_rows` leading rows, each group in chunk order."""
+    rows: list[int] = []
+    prompt: list[int] = []
+    end = 0
     for c in chunks:
+        if c.prompt_rows:
+            prompt.extend(range(end, end + c.prompt_rows))
         end += c.num_new
         if c.sample:
             rows.append(end - 1)
-    return rows
+    return rows + prompt if prompt else rows, len(prompt)

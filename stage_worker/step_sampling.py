@@ -8,7 +8,7 @@ one wait on the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -16,8 +16,9 @@ import torch
 from foundation.sampling_params import SamplingParams
 from stage_worker.held_seqs import HeldSeq
 from stage_worker.host_transfer import HostCopy, to_device, upload
-from stage_worker.plan import SampledToken
+from stage_worker.plan import PromptLogprobs, SampledToken
 from stage_worker.sampling import Sampler, SamplingBatch
+from stage_worker.step_input import SeqChunk
 from stage_worker.structured import GrammarMasks
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -91,3 +92,39 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, seqs: Sequence[HeldSeq],
         return StepSample.of(seq_ids, out.token_ids, wants)
     return StepSample.of(seq_ids, out.token_ids, wants,
                          (out.logprobs, out.top_token_ids, out.top_logprobs))
+
+
+def score_prompts(scores: torch.Tensor, chunks: Sequence[SeqChunk],
+                  seqs: Mapping[int, HeldSeq]) -> tuple[PromptLogprobs, ...]:
+    """Prompt log probabilities from `scores` [P, V] (fp32): the logits of every chunk's
+    `prompt_rows` leading rows, in chunk order (see `step_input.score_rows`). Row r of a
+    chunk scores the prompt token at position num_computed + r + 1 against the model's raw
+    softmax there (as `logprobs` does: no sampling settings apply). One record per chunk,
+    with the top `prompt_logprobs` alternatives its sequence asked for. Waits once for the
+    device (only steps that compute prompt positions for such a sequence call this)."""
+    targets: list[int] = []
+    spans: list[tuple[int, int, int, int]] = []  # seq_id, first position, rows, top k
+    for c in chunks:
+        if c.prompt_rows:
+            state = seqs[c.seq_id]
+            start = c.num_computed + 1
+            targets += state.token_ids[start:start + c.prompt_rows]
+            k = state.sampling.prompt_logprobs if state.sampling is not None else None
+            spans.append((c.seq_id, start, c.prompt_rows, k or 0))
+    assert len(targets) == scores.shape[0], "one prompt row per target token"
+    k = min(max(span[3] for span in spans), scores.shape[1])
+    raw = scores.log_softmax(dim=-1) if scores.shape[1] else scores  # [P, V]
+    index = to_device(targets, torch.int64, scores.device)
+    chosen = (raw.gather(1, index[:, None]).squeeze(1) if scores.shape[1]
+              else torch.zeros(len(targets)))
+    top_logprobs, top_ids = raw.topk(k, dim=-1)  # [P, k], most likely first
+    lps, tops, top_lps = chosen.tolist(), top_ids.tolist(), top_logprobs.tolist()
+    records, row = [], 0
+    for seq_id, start, n, want in spans:
+        end = row + n
+        records.append(PromptLogprobs(
+            seq_id, start, tuple(targets[row:end]), tuple(lps[row:end]),
+            tuple(tuple(ids[:want]) for ids in tops[row:end]),
+            tuple(tuple(values[:want]) for values in top_lps[row:end])))
+        row = end
+    return tuple(records)

@@ -35,6 +35,7 @@ from router.core.messages import (
     FrontMessage,
     Hello,
     LogprobEntry,
+    PromptLogprobEntry,
     Refused,
     ServedInfo,
     Shutdown,
@@ -206,7 +207,8 @@ class EngineCore:
                                                      strict=True)]
         try:
             scheduler.add_request(msg.seq_ids[0], msg.prompt, msg.sampling[0],
-                                  priority=msg.priority, extra_choices=choices)
+                                  priority=msg.priority, extra_choices=choices,
+                                  read_prefix_cache=msg.sampling[0].prompt_logprobs is None)
         except AdmissionRefusedError as e:
             self.sink.send(front, Refused(msg.seq_ids, "resource_exhausted", str(e)))
             return
@@ -293,6 +295,15 @@ class EngineCore:
         capped = set(update.length_capped_seq_ids)
         batches: dict[int, FrontBatch] = {}
         live = self.ledger.rules
+        for scores in outcome.prompt:
+            if scores.seq_id in live:
+                front = front_of(scores.seq_id)
+                batch = batches.get(front)
+                if batch is None:
+                    batch = batches[front] = FrontBatch()
+                batch.prompt_logprobs.append(PromptLogprobEntry(
+                    scores.seq_id, scores.start,
+                    [(e.token_id, e.logprob, list(e.top)) for e in scores.entries]))
         for seq_id, token in update.new_tokens.items():
             rules = live.get(seq_id)
             if rules is None:

@@ -122,13 +122,24 @@ class LogprobEntry(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
+class PromptLogprobEntry(msgspec.Struct, array_like=True):
+    """Prompt log probabilities of one sequence from one step: entries[i] = (token id,
+    logprob, top alternatives) of the prompt token at position start + i (>= 1)."""
+
+    seq_id: int
+    start: int
+    entries: list[tuple[int, float, list[tuple[int, float]]]]
+
+
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     """The tokens of one step for one front's sequences, in step order.
 
     seq_ids / token_ids: packed int64 (`array("q")`), aligned; finish: packed int8, aligned,
     a FINISH_* code. logprobs: only for sequences that asked for them. cached: (seq_id,
     prompt tokens found in the prefix cache, when its first prefill chunk was planned, as
-    time.time()) of sequences whose first prefill was planned.
+    time.time()) of sequences whose first prefill was planned. prompt_logprobs: the
+    step's prompt log probabilities, for sequences that asked; a front applies them before
+    the step's tokens.
     """
 
     seq_ids: bytes
@@ -136,6 +147,7 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     finish: bytes
     logprobs: list[LogprobEntry] = []
     cached: list[tuple[int, int, float]] = []
+    prompt_logprobs: list[PromptLogprobEntry] = []
 
     def unpack(self) -> tuple[list[int], list[int], list[int]]:
         """(seq_ids, token_ids, finish codes) as Python lists."""
@@ -247,18 +259,20 @@ CoreMessage = StepOutputs | Refused | Failed | CoreState | CoreStats | Aborted |
 class FrontBatch:
     """One front's share of a step's outcome, being filled; `pack` makes its message."""
 
-    __slots__ = ("finish", "logprobs", "seq_ids", "token_ids")
+    __slots__ = ("finish", "logprobs", "prompt_logprobs", "seq_ids", "token_ids")
 
     def __init__(self) -> None:
         self.seq_ids: list[int] = []
         self.token_ids: list[int] = []
         self.finish: list[int] = []
         self.logprobs: list[LogprobEntry] = []
+        self.prompt_logprobs: list[PromptLogprobEntry] = []
 
     def pack(self, cached: list[tuple[int, int, float]]) -> StepOutputs:
         return StepOutputs(array("q", self.seq_ids).tobytes(),
                            array("q", self.token_ids).tobytes(),
-                           array("b", self.finish).tobytes(), self.logprobs, cached)
+                           array("b", self.finish).tobytes(), self.logprobs, cached,
+                           self.prompt_logprobs)
 
 
 class Codec:

@@ -17,7 +17,7 @@ from itertools import chain
 from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
-from router.pipeline.outcome import StepOutcome
+from router.pipeline.outcome import PromptScores, StepOutcome
 from router.pipeline.shape import PipelineError, PipelineShape, StageInfo
 from router.scheduler import CachedSeq, StepPlan
 
@@ -32,6 +32,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.min_tokens:
         msg.min_tokens = p.min_tokens
         msg.banned_until_min.extend(p.banned_until_min)
@@ -139,7 +141,26 @@ def outcome_from_result(result: pb.StepResult) -> StepOutcome:
                                 f"sequence {t.seq_id}, which was not sampled")
         top = tuple(zip(t.top_token_ids, t.top_logprobs, strict=True))
         logprobs[t.seq_id] = TokenLogprob(t.token_id, t.logprob, top)
-    return StepOutcome(step, tokens, logprobs)
+    return StepOutcome(step, tokens, logprobs,
+                       tuple(_prompt_logprobs(step, p) for p in result.prompt_logprobs))
+
+
+def _prompt_logprobs(step: int, msg: pb.PromptLogprobs) -> PromptScores:
+    """One `PromptLogprobs` record as the prompt positions it scores.
+
+    Raises:
+        PipelineError: misaligned arrays or a position before 1.
+    """
+    n, k = len(msg.token_ids), msg.num_top
+    if (len(msg.logprobs) != n or k < 0 or len(msg.top_token_ids) != n * k
+            or len(msg.top_logprobs) != n * k or msg.start < 1):
+        raise PipelineError(f"step {step}: malformed prompt logprobs of sequence {msg.seq_id}")
+    ids, values = msg.top_token_ids, msg.top_logprobs
+    entries = tuple(
+        TokenLogprob(token, logprob, tuple(zip(ids[i * k:(i + 1) * k],
+                                               values[i * k:(i + 1) * k], strict=True)))
+        for i, (token, logprob) in enumerate(zip(msg.token_ids, msg.logprobs, strict=True)))
+    return PromptScores(msg.seq_id, msg.start, entries)
 
 
 def _unpack_int64(data: bytes, step: int, field: str) -> array[int]:

@@ -102,6 +102,7 @@ class Scheduler:
         priority: int = 0,
         extra_choices: Iterable[ChoiceSpec] = (),
         extra_key: bytes | None = None,
+        read_prefix_cache: bool = True,
     ) -> None:
         """Queue a request.
 
@@ -114,6 +115,9 @@ class Scheduler:
                 computed once, then each choice forks off it (sharing its blocks) and samples
                 its own first token from the last prompt position.
             extra_key: mixed into prefix-cache hashes (e.g. an adapter id), None for none.
+            read_prefix_cache: False computes every prompt position even where the prefix
+                cache holds it (the last stage needs their logits for prompt logprobs); the
+                request's blocks are still cached for others.
 
         Raises:
             InvalidRequestError: empty prompt, no room for a generated token within
@@ -131,6 +135,7 @@ class Scheduler:
         arrival = next(self._arrivals)
         chain = BlockHashChain(state.kv.block_size, extra_key)
         seq = Sequence(seq_id, prompt, sampling, priority, (priority, arrival, 0), chain)
+        seq.reads_cache = read_prefix_cache
         seq.free_notice_pending = seq_id in state.notices  # an old holder of this id
         for index, choice in enumerate(choices, start=1):
             child = Sequence(choice.seq_id, list(prompt), choice.sampling, priority,

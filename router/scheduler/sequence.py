@@ -75,8 +75,8 @@ class Sequence:
         "arrival", "extra_choices", "free_notice_pending", "hash_chain", "known_to_stages",
         "last_sample_step", "last_step_id", "next_cache_at", "num_block_ids_sent",
         "num_computed", "num_inflight", "num_pending", "num_preemptions", "num_prompt_tokens",
-        "num_slots", "num_tokens_sent", "order_key", "parent", "priority", "sampling", "seq_id",
-        "state", "token_ids",
+        "num_slots", "num_tokens_sent", "order_key", "parent", "priority", "reads_cache",
+        "sampling", "seq_id", "state", "token_ids",
     )
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling: object, priority: int,
@@ -85,6 +85,7 @@ class Sequence:
         self.token_ids = token_ids
         self.num_prompt_tokens = len(token_ids)
         self.sampling = sampling
+        self.reads_cache = True  # False: every prompt position is computed (prompt logprobs)
         self.priority = priority
         self.order_key = order_key  # (priority, arrival, choice index): lower runs first
         self.arrival = order_key[1]

@@ -183,7 +183,8 @@ class StepBuilder:
         state, kv = self.state, self.kv
         num_known = len(seq.token_ids)
         # At most num_known - 1 tokens may hit: the last one must run to give logits.
-        hit = kv.find_cached_prefix(seq.hash_chain, seq.token_ids, num_known - 1)
+        hit = kv.find_cached_prefix(seq.hash_chain, seq.token_ids,
+                                    num_known - 1 if seq.reads_cache else 0)
         num_computed = hit.num_tokens
         fork_now = bool(seq.extra_choices) and num_computed == num_known - 1
         limit = num_known if fork_now else seq.compute_limit

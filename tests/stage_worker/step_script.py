@@ -19,6 +19,9 @@ from stage_worker.step_input import SeqChunk
 
 BLOCK, BLOCKS = 8, 64
 GREEDY = SamplingParams(temperature=0.0)
+# Sequence 1 also asks for prompt log probabilities: the last stage computes logits for its
+# prompt rows too (every TP rank the same rows: the logits are gathered across ranks).
+SCORED = SamplingParams(temperature=0.0, prompt_logprobs=2)
 
 
 def stage_config(model_dir: Path, stage_index: int, tp_size: int) -> StageConfig:
@@ -56,7 +59,8 @@ def converse(first: StageLeader, last: StageLeader, prompts: list[list[int]],
              max_new: int) -> list[list[int]]:
     """Greedy tokens per prompt after the script; ends with a reset of both stages.
     Sequence 0's decodes take their input from the previous step (run-ahead: the first
-    stage reads it from the feedback link); sequence 1's come as appended tokens."""
+    stage reads it from the feedback link); sequence 1's come as appended tokens, and its
+    prompt is scored (prompt log probabilities) over its two prefill chunks."""
     a, b = prompts
     ta, tb = list(range(0, 8)), list(range(8, 16))
     split = len(b) // 2
@@ -68,7 +72,7 @@ def converse(first: StageLeader, last: StageLeader, prompts: list[list[int]],
             out[seq_id].append(token_id)
 
     run(StagePlan(0, (StageNewSeq(0, tuple(a), len(a), tuple(ta), 0, len(a), True, GREEDY),
-                      StageNewSeq(1, tuple(b), len(b), tuple(tb), 0, split, False, GREEDY)),
+                      StageNewSeq(1, tuple(b), len(b), tuple(tb), 0, split, False, SCORED)),
                   (), ()))
     run(StagePlan(1, (), (StageCachedSeq(0, (), len(a), 1, (), True, 0),
                           StageCachedSeq(1, (), split, len(b) - split, (), True)), ()))

@@ -27,7 +27,7 @@ FULL = StagePlan(
                     SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
                                    seed=-(2**63), repetition_penalty=1.1,
                                    presence_penalty=-0.3, frequency_penalty=1e-9,
-                                   logprobs=5)),
+                                   logprobs=5, prompt_logprobs=3)),
         StageNewSeq(2**62, (), 0, (11,), 16, 1, False, None),  # a middle stage's view
         StageNewSeq(8, (42,), 1, (), 0, 1, True, SamplingParams(seed=2**64 - 1, logprobs=0)),
         StageNewSeq(9, (3, 3), 2, (1, 2), 1, 1, True, SamplingParams(seed=2**63)),
@@ -75,7 +75,7 @@ def test_decode_refuses_what_is_not_a_plan() -> None:
     with pytest.raises(PlanCodecError, match="10 int64 tensors"):
         plan_codec.decode(tensors[:-1])
     bad_version = [torch.tensor([99, 1]), *tensors[1:]]
-    with pytest.raises(PlanCodecError, match="this end speaks 2"):
+    with pytest.raises(PlanCodecError, match="this end speaks 3"):
         plan_codec.decode(bad_version)
     short_tokens = [*tensors[:2], tensors[2][:-1], *tensors[3:]]
     with pytest.raises(PlanCodecError, match="ids for runs"):
