@@ -76,6 +76,12 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def chat_template_text(self) -> str | None:
+        """The chat template's source (what the router's tool-call parser is picked by)."""
+        template = self.config.get("chat_template")
+        return template if isinstance(template, str) else None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Plain text prompt -> ids; a BOS is prepended when the model's config asks."""
         ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -86,14 +92,18 @@ class ModelTokenizer:
         return ids
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> str:
-        """Messages through the chat template. Raises ChatTemplateError."""
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """Messages through the chat template; `tools` (HF's convention: {"type":
+        "function", "function": {name, description, parameters}}) are passed as the
+        template's `tools` when given. Raises ChatTemplateError."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt")
+        extra = {"tools": list(tools)} if tools else {}
         try:
             return self._template.render(
                 messages=list(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.special.bos or "", eos_token=self.special.eos or "",
+                bos_token=self.special.bos or "", eos_token=self.special.eos or "", **extra,
             )
         except ChatTemplateError:
             raise
@@ -101,9 +111,10 @@ class ModelTokenizer:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
     def encode_chat(self, messages: Sequence[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         # The template writes its own special tokens: encode without adding more.
-        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -14,7 +14,7 @@ from typing import Any
 from gateway.params import Endpoint, GenerationSpec
 from gateway.tokens import TokenTexts
 from protos.stagemesh.v1 import inference_pb2 as pb
-from router.client import Chunk, build_request
+from router.client import Chunk, ToolCallPiece, build_request
 
 LogprobEntry = tuple[int, float, tuple[tuple[int, float], ...]]  # (id, logprob, top)
 
@@ -38,6 +38,7 @@ class Delta:
     finish_reason: str | None
     first: bool
     stop_reason: str | int | None = None
+    tool_calls: tuple[ToolCallPiece, ...] = ()  # (index, id, name, arguments)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class _Choice:
     logprobs: dict[str, list[Any]] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or token id matched
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's, whole
     chars: int = 0
     token_chars: int = 0
     utf8: codecs.IncrementalDecoder = field(
@@ -101,8 +103,13 @@ class ResponseBuilder:
         choice.finish_reason = chunk.finish_reason or choice.finish_reason
         if chunk.stop_reason is not None:
             choice.stop_reason = chunk.stop_reason
+        for call_index, call_id, name, arguments in chunk.tool_calls:
+            if call_id or name:
+                choice.tool_calls.append({"id": call_id, "type": "function",
+                                          "function": {"name": name, "arguments": ""}})
+            choice.tool_calls[call_index]["function"]["arguments"] += arguments
         return Delta(index, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, first,
-                     chunk.stop_reason)
+                     chunk.stop_reason, chunk.tool_calls)
 
     def _chat_logprobs(self, entries: tuple[LogprobEntry, ...]) -> dict[str, list[Any]]:
         content = []
@@ -135,6 +142,33 @@ class ResponseBuilder:
                 choice.token_chars += len(choice.utf8.decode(bytes(raw)))
         return out
 
+    def stream_chunks(self, d: Delta) -> list[dict[str, Any]]:
+        """The SSE chunks for a delta: `stream_chunk`'s, and with tool calls one more chunk
+        per call piece (OpenAI's `delta.tool_calls`: a call's first chunk has its index, id,
+        type and name with empty arguments, later ones argument text), the finish on the
+        last."""
+        if not d.tool_calls:
+            chunk = self.stream_chunk(d)
+            return [] if chunk is None else [chunk]
+        head = self.stream_chunk(replace(d, finish_reason=None, stop_reason=None,
+                                         tool_calls=()))
+        out = [] if head is None else [head]
+        for k, (index, call_id, name, arguments) in enumerate(d.tool_calls):
+            call: dict[str, Any] = {"index": index}
+            if call_id or name:
+                call.update(id=call_id, type="function",
+                            function={"name": name, "arguments": arguments})
+            else:
+                call["function"] = {"arguments": arguments}
+            last = k == len(d.tool_calls) - 1
+            choice: dict[str, Any] = {"index": d.index, "delta": {"tool_calls": [call]},
+                                      "logprobs": None,
+                                      "finish_reason": d.finish_reason if last else None}
+            if last and d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            out.append(self._chunk_body(choice))
+        return out
+
     def stream_chunk(self, d: Delta) -> dict[str, Any] | None:
         """The SSE chunk for a delta, or None when it carries nothing a client would see."""
         if not (d.text or d.finish_reason or d.logprobs or (self.chat and d.first)
@@ -154,6 +188,9 @@ class ResponseBuilder:
             choice["stop_reason"] = d.stop_reason
         if self.spec.return_token_ids:
             choice["token_ids"] = list(d.token_ids)
+        return self._chunk_body(choice)
+
+    def _chunk_body(self, choice: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {**self.head, "choices": [choice]}
         if self.spec.continuous_usage:  # vLLM's: the counts so far on every chunk
             body["usage"] = self.usage_json(running=True)
@@ -186,6 +223,9 @@ class ResponseBuilder:
             out: dict[str, Any] = {"index": index}
             if self.chat:
                 out["message"] = {"role": "assistant", "content": text}
+                if c.tool_calls:  # OpenAI: content null when the answer is only calls
+                    out["message"] = {"role": "assistant", "content": text or None,
+                                      "tool_calls": c.tool_calls}
             else:
                 out["text"] = text
             out["logprobs"] = c.logprobs if self.spec.logprobs is not None else None

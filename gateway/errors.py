@@ -32,12 +32,13 @@ DEFAULT_RETRY_AFTER_S = "1"
 
 # Router INVALID_ARGUMENT messages start with the field they name ("max_tokens must be ...",
 # "messages[2].role 'x' is not ...", "stop[0] is empty"); see router/validation.py.
-_LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?(?=[\s:]|$)")
+_LEADING_FIELD = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+(?:\[\d+\])?)*(?=[\s:]|$)")
 _ROUTER_FIELDS = frozenset({
     "prompt", "prompt_token_ids", "messages", "input", "max_tokens", "temperature", "top_p",
     "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "logprobs", "n", "stop", "stop_token_ids", "priority", "request_id", "token_ids",
-    "truncate_prompt_tokens", "min_tokens", "logit_bias", "ignore_eos", "structured_output"})
+    "truncate_prompt_tokens", "min_tokens", "logit_bias", "ignore_eos", "structured_output",
+    "tools", "tool_choice"})
 # Router fields a client sends under one name of its own, whole: the router's sub-field
 # ("structured_output.json_schema") is not part of the client's name ("response_format").
 _WHOLE_RENAMES = frozenset({"structured_output"})

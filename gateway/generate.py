@@ -149,8 +149,7 @@ class GenerateHandler:
                 async for prompt, chunk in streams:
                     self._first_token(builder, route, started)
                     delta = builder.delta(prompt, chunk)
-                    event = builder.stream_chunk(delta) if delta is not None else None
-                    if event is not None:
+                    for event in builder.stream_chunks(delta) if delta is not None else ():
                         await ex.event(event)
             except Exception as e:  # headers are sent: report in the stream
                 await ex.event(_as_api_error(e, spec).body())

@@ -1,9 +1,10 @@
 """OpenAI request bodies -> `GenerationSpec`: what to ask the router, and how to answer.
 
 Field types are checked here (`gateway.fields`); value ranges are left to the router, which
-names the field and the limit. Features the router cannot honour (suffix, best_of > n,
-tools) are refused with 400 rather than ignored; structured output (`response_format`,
-vLLM's `guided_*`) is read by `gateway.structured`.
+names the field and the limit. Features the router cannot honour (suffix, best_of > n)
+are refused with 400 rather than ignored; structured output (`response_format`, vLLM's
+`guided_*`) is read by `gateway.structured`, tool calling (`tools`, `tool_choice`, tool
+messages) by `gateway.tools`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from gateway.errors import invalid
 from gateway.fields import INT64, Fields, check_text, wrong_type
 from gateway.structured import structured_output
+from gateway.tools import message_tool_fields, tool_options
 
 # OpenAI's legacy /v1/completions default; chat defaults to "what fits" (the router's).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -25,7 +27,7 @@ _ROLE_ALIASES = {"developer": "system"}
 # OpenAI fields that change nothing a model computes: accepted and ignored. Any other field
 # the parsers do not read is refused with 400 naming it.
 IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key",
-                            "safety_identifier", "parallel_tool_calls"})
+                            "safety_identifier"})
 
 
 class Endpoint(Enum):
@@ -39,7 +41,7 @@ class Prompt:
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,6 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
 
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:
     f = Fields(body)
-    _refuse_unsupported(f, tools=[])
-    _check_tool_choice(f)
     messages = parse_messages(f.array("messages"))
     logprobs = None
     top = f.integer("top_logprobs")
@@ -99,7 +99,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationSpec:
         logprobs = 0 if top is None else top
     elif top is not None:
         raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
-    options = _common_options(f)
+    options = {**_common_options(f), **tool_options(f)}
     field = "max_completion_tokens" if f.raw("max_completion_tokens") is not None \
         else "max_tokens"
     options["max_tokens"] = f.integer(field)
@@ -184,12 +184,6 @@ def _refuse_unsupported(f: Fields, **defaults: Any) -> None:
             raise invalid(key, f"{key} is not supported by this server (got {value!r})")
 
 
-def _check_tool_choice(f: Fields) -> None:
-    choice = f.raw("tool_choice")
-    if choice is not None and choice != "none":
-        raise invalid("tool_choice", "tools are not supported; tool_choice may only be 'none'")
-
-
 def parse_prompts(value: Any, max_prompts: int) -> tuple[Prompt, ...]:
     """OpenAI's `prompt`: a string, an array of strings, an array of token ids, or an array
     of arrays of token ids. Each entry of an array of prompts gets its own choices."""
@@ -225,9 +219,10 @@ def _token_ids(name: str, values: list[Any]) -> tuple[int, ...]:
     return tuple(values)
 
 
-def parse_messages(value: list[Any] | None) -> tuple[dict[str, str], ...]:
+def parse_messages(value: list[Any] | None) -> tuple[dict[str, Any], ...]:
     """Chat messages with string content, or content as an array of text parts (joined with
-    newlines). Roles are checked by the router against the chat template's."""
+    newlines), with their tool fields (`gateway.tools`). Roles are checked by the router
+    against the chat template's."""
     if value is None:
         raise invalid("messages", "messages is required")
     out = []
@@ -238,8 +233,10 @@ def parse_messages(value: list[Any] | None) -> tuple[dict[str, str], ...]:
         role = m.string("role")
         if role is None:
             raise invalid(f"messages[{i}].role", f"messages[{i}].role is required")
-        out.append({"role": _ROLE_ALIASES.get(role, role),
-                    "content": _content(f"messages[{i}].content", m.raw("content"))})
+        role = _ROLE_ALIASES.get(role, role)
+        out.append({"role": role,
+                    "content": _content(f"messages[{i}].content", m.raw("content")),
+                    **message_tool_fields(m, role, f"messages[{i}]")})
     return tuple(out)
 
 

@@ -1,6 +1,7 @@
 """vLLM's utility endpoints: POST /tokenize, POST /detokenize, GET /version.
 
-/tokenize takes a completions-style `prompt` (text) or a chat-style `messages` list and
+/tokenize takes a completions-style `prompt` (text) or a chat-style `messages` list (with
+`tools`, given to the chat template as generation gives them) and
 answers `{"count", "max_model_len", "tokens", "token_strs"}` with the ids Generate would
 use (the router's `Tokenize`: its tokenizer and chat template). /detokenize takes `tokens`
 and answers `{"prompt"}` (the router's `Detokenize`). Both name the offending field in a 400,
@@ -19,6 +20,7 @@ from gateway.fields import Fields
 from gateway.http import Exchange
 from gateway.params import parse_messages
 from gateway.served import ModelView, ModelViewLoader
+from gateway.tools import parse_tools
 
 
 def version() -> str:
@@ -40,18 +42,19 @@ class TokenizeHandlers:
         text, raw_messages = f.string("prompt"), f.array("messages")
         if (text is None) == (raw_messages is None):
             raise invalid("prompt", "give exactly one of prompt (text) and messages")
-        messages = None
+        messages = tools = None
         if text is not None:
             _default_only(f, "add_special_tokens", True)  # as Generate tokenizes
         else:
             messages = parse_messages(raw_messages)
+            tools = parse_tools(f)  # given to the chat template
             _default_only(f, "add_generation_prompt", True)
             _default_only(f, "add_special_tokens", False)
         token_strs = bool(f.boolean("return_token_strs"))
         view, model = await self._model(f)
         f.refuse_unknown()
         try:
-            reply = await self.router.first.tokenize_reply(text, messages, model)
+            reply = await self.router.first.tokenize_reply(text, messages, model, tools)
         except grpc.RpcError as e:
             raise from_rpc_error(e, {"prompt_token_ids": "prompt"}) from e
         await ex.json(200, {"count": len(reply.token_ids), "max_model_len": view.context_length,

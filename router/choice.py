@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tokenizers import Tokenizer
 
 from router.detokenizer import IncrementalDetokenizer
 from router.outputs import ChoiceDelta, TokenLogprob
 from router.scheduler import FinishReason
 from router.stop import StopChecker
+from router.tool_calls.parsers import ToolCallParser
+from router.tool_calls.types import call_deltas
 
 
 class ChoiceState:
@@ -23,15 +27,20 @@ class ChoiceState:
     decode when the stream is due an update (`stream_interval` tokens); a finish includes
     what is held. With stop strings every token is decoded as it comes, so the choice ends
     at the token that completes one.
+
+    `tool_parser`: the choice's text goes through it last (after stop strings): the text of
+    tool calls leaves `text` and comes back as `ChoiceDelta.tool_calls` pieces, and a choice
+    that ends with STOP having made calls says so (`called_tools`).
     """
 
     def __init__(self, index: int, seq_id: int, tokenizer: Tokenizer,
                  prompt_token_ids: tuple[int, ...], stop: tuple[str, ...],
                  include_stop_str: bool, skip_special_tokens: bool,
                  hold_tokens: bool = False, stop_token_ids: tuple[int, ...] = (),
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, tool_parser: ToolCallParser | None = None) -> None:
         """`stop_token_ids`: the request's own (not EOS), to name one in `stop_reason`;
         `min_tokens`: no stop string is looked for before this many tokens (vLLM's)."""
+        self.tool_parser = tool_parser
         self.index = index
         self.stop_token_ids = stop_token_ids
         self.min_tokens = min_tokens
@@ -53,6 +62,26 @@ class ChoiceState:
         """Account one sampled token; `verdict`: why the core ended the choice with it (None:
         it did not). Returns the delta (maybe empty text), or None when the token is only
         held (see the class); sets `finish_reason` when the choice ends with this token."""
+        delta = self._on_token(token_id, logprob, verdict)
+        return delta if delta is None else self._tool_calls(delta)
+
+    def _tool_calls(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """`delta` with its text through the tool-call parser, if the choice has one."""
+        parser = self.tool_parser
+        if parser is None:
+            return delta
+        before = parser.calls
+        text, calls = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            tail, more = parser.finish()
+            text, calls = text + tail, calls + more
+        pieces = tuple(piece for i, call in enumerate(calls)
+                       for piece in call_deltas(before + i, call))
+        called = delta.finish_reason is FinishReason.STOP and parser.calls > 0
+        return replace(delta, text=text, tool_calls=pieces, called_tools=called)
+
+    def _on_token(self, token_id: int, logprob: TokenLogprob | None,
+                  verdict: FinishReason | None) -> ChoiceDelta | None:
         if verdict is None and self.holds:
             self._held.append(token_id)
             if logprob is not None:
@@ -81,7 +110,8 @@ class ChoiceState:
         if not self._held:
             return None
         ids, logprobs = self._take(None, None)
-        return ChoiceDelta(self.index, self.detok.push_many(ids), ids, logprobs)
+        return self._tool_calls(ChoiceDelta(self.index, self.detok.push_many(ids), ids,
+                                            logprobs))
 
     def _take(self, token_id: int | None, logprob: TokenLogprob | None,
               ) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
@@ -97,7 +127,7 @@ class ChoiceState:
     def abort(self) -> ChoiceDelta:
         self._held.clear()
         self._held_logprobs.clear()
-        return self._finish(FinishReason.ABORT, (), (), "")
+        return self._tool_calls(self._finish(FinishReason.ABORT, (), (), ""))
 
     def _finish(self, reason: FinishReason, ids: tuple[int, ...],
                 logprobs: tuple[TokenLogprob, ...], text: str,

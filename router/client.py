@@ -19,6 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from foundation.tracing import current_metadata, tracer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
+from router.client_tools import (
+    ToolCallPiece,
+    message_to_proto,
+    tool_call_pieces,
+    tool_choice_to_proto,
+    tools_to_proto,
+)
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "min_tokens", "logit_bias",
@@ -39,6 +46,9 @@ class Chunk:
     usage: dict[str, int] | None = None
     prompt_tokens: int = 0
     stop_reason: str | int | None = None  # see GenerateResponse.stop_reason
+    # Tool-call pieces parsed from the output, (index, id, name, arguments): a call's first
+    # piece has its id and name, later ones argument text (GenerateResponse.tool_calls).
+    tool_calls: tuple[ToolCallPiece, ...] = ()
 
 
 @dataclass
@@ -51,7 +61,7 @@ class Completion:
     usage: dict[str, int] | None = None
 
 
-def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str]] | None = None,
+def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, Any]] | None = None,
                   token_ids: Sequence[int] | None = None, model: str = "",
                   max_tokens: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), n: int | None = None,
@@ -60,8 +70,12 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
                   include_stop_str_in_output: bool = False,
                   skip_special_tokens: bool | None = None,
                   truncate_prompt_tokens: int | None = None,
+                  tools: Sequence[dict[str, Any]] | None = None,
+                  tool_choice: str | dict[str, Any] | None = None,
+                  parallel_tool_calls: bool | None = None,
                   **sampling: Any) -> pb.GenerateRequest:
-    """A GenerateRequest from keyword arguments; sampling keys as in `SamplingParams`."""
+    """A GenerateRequest from keyword arguments; sampling keys as in `SamplingParams`;
+    messages, tools and tool_choice in OpenAI's shapes (`router.client_tools`)."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
@@ -71,8 +85,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
     if prompt is not None:
         req.text = prompt
     elif messages is not None:
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                                 for m in messages)
+        req.chat.messages.extend(message_to_proto(m) for m in messages)
+        req.chat.tools.extend(tools_to_proto(tools or ()))
     elif token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     for key, value in sampling.items():
@@ -93,6 +107,10 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, str
         req.skip_special_tokens = skip_special_tokens
     if truncate_prompt_tokens is not None:
         req.truncate_prompt_tokens = truncate_prompt_tokens
+    if tool_choice is not None:
+        req.tool_choice.CopyFrom(tool_choice_to_proto(tool_choice))
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     return req
 
 
@@ -131,7 +149,7 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
     stop_reason = None if kind is None else getattr(msg, kind)
     return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
                  finish_reason_text(msg.finish_reason), logprobs, usage, msg.prompt_tokens,
-                 stop_reason)
+                 stop_reason, tool_calls=tool_call_pieces(msg) if msg.tool_calls else ())
 
 
 class RouterClient:
@@ -200,15 +218,17 @@ class RouterClient:
         return list((await self.tokenize_reply(text, messages)).token_ids)
 
     async def tokenize_reply(self, text: str | None = None,
-                             messages: Sequence[dict[str, str]] | None = None,
-                             model: str = "") -> pb.TokenizeResponse:
-        """The whole answer: ids, each token's text, the rendered prompt."""
+                             messages: Sequence[dict[str, Any]] | None = None,
+                             model: str = "", tools: Sequence[dict[str, Any]] | None = None
+                             ) -> pb.TokenizeResponse:
+        """The whole answer: ids, each token's text, the rendered prompt (`tools`: with
+        `messages`, given to the chat template)."""
         req = pb.TokenizeRequest(model=model)
         if text is not None:
             req.text = text
         elif messages is not None:
-            req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                                     for m in messages)
+            req.chat.messages.extend(message_to_proto(m) for m in messages)
+            req.chat.tools.extend(tools_to_proto(tools or ()))
         return await self.stub.Tokenize(req, metadata=self.metadata)
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False,

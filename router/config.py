@@ -7,6 +7,7 @@ from pathlib import Path
 
 from foundation.tls import ClientTls, ServerTls
 from router.pipeline.transports import TRANSPORT_CHOICES
+from router.tool_calls.parsers import PARSER_CHOICES
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class RouterConfig:
             node does not wait for its restart.
         standby_grace_s: how long a lost stage may take to come back before a standby
             takes its place.
+        tool_call_parser: how tool calls are found in chat outputs (vLLM's
+            --tool-call-parser): "hermes", "llama3_json", "auto" (picked from the chat
+            template's text: `<tool_call>` -> hermes, `<|python_tag|>` or `ipython` ->
+            llama3_json, else none) or "none" (only tool_choice none is served).
     """
 
     model_dir: Path
@@ -103,6 +108,7 @@ class RouterConfig:
     metrics_port: int | None = None
     otlp_traces_endpoint: str | None = None
     trace_step_interval: int = 64
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -116,6 +122,9 @@ class RouterConfig:
         if self.run_ahead_depth < 2:
             raise ValueError(f"run_ahead_depth must be >= 2 (one step planned on another), "
                              f"got {self.run_ahead_depth}")
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, "
                              f"got {self.transport!r}")

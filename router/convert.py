@@ -4,6 +4,9 @@ servicer) that imports `stagemesh.v1` protos."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 from foundation.sampling_params import SamplingParams
 from foundation.structured_output import ConstraintKind, StructuredOutput
@@ -18,7 +21,12 @@ from router.requests import (
     TokenPrompt,
 )
 from router.scheduler import FinishReason
+from router.tool_calls.types import ToolCall, ToolChoice, ToolChoiceMode, ToolSpec
 from router.validation import ValidationError
+
+_TOOL_CHOICE = {pb.TOOL_CHOICE_MODE_NONE: ToolChoiceMode.NONE,
+                pb.TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.AUTO,
+                pb.TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.REQUIRED}
 
 # The one table between the router's finish reasons and the public API's.
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -70,8 +78,40 @@ def prompt_from_proto(msg: pb.GenerateRequest | pb.TokenizeRequest) -> PromptInp
         assert isinstance(msg, pb.GenerateRequest)
         return TokenPrompt(tuple(msg.token_ids.ids))
     if kind == "chat":
-        return ChatPrompt(tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages))
+        return ChatPrompt(tuple(_message_from_proto(m) for m in msg.chat.messages),
+                          tuple(ToolSpec(t.name, t.description, t.parameters)
+                                for t in msg.chat.tools))
     raise ValidationError("input", "input must be one of text, token_ids or chat; none was given")
+
+
+def _message_from_proto(m: pb.ChatMessage) -> ChatMessage:
+    return ChatMessage(m.role, m.content,
+                       tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+                       m.tool_call_id, m.name)
+
+
+def tool_choice_from_proto(msg: pb.ToolChoice) -> ToolChoice | None:
+    """None: unset (auto with tools, none without)."""
+    if msg.WhichOneof("choice") == "function":
+        return ToolChoice(ToolChoiceMode.REQUIRED, msg.function)
+    if msg.mode == pb.TOOL_CHOICE_MODE_UNSPECIFIED:
+        return None
+    if msg.mode not in _TOOL_CHOICE:
+        raise ValidationError("tool_choice.mode", f"tool_choice.mode is not a ToolChoiceMode "
+                                                  f"value: {msg.mode}")
+    return ToolChoice(_TOOL_CHOICE[msg.mode])
+
+
+def add_tool_call_deltas(calls: Any, deltas: Sequence[pb.ToolCallDelta]) -> None:
+    """Append streamed tool-call pieces to `calls` (a repeated ToolCall field): a piece with
+    an id or name starts call `index`, later pieces extend its arguments."""
+    for d in deltas:
+        while len(calls) <= d.index:
+            calls.add()
+        call = calls[d.index]
+        if d.id or d.name:
+            call.id, call.name = d.id, d.name
+        call.arguments += d.arguments
 
 
 def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
@@ -93,10 +133,22 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
                              else True),
         truncate_prompt_tokens=(msg.truncate_prompt_tokens
                                 if msg.HasField("truncate_prompt_tokens") else None),
+        tool_choice=(tool_choice_from_proto(msg.tool_choice)
+                     if msg.HasField("tool_choice") else None),
+        parallel_tool_calls=(msg.parallel_tool_calls if msg.HasField("parallel_tool_calls")
+                             else True),
     )
 
 
 def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
+    if delta.tool_calls or delta.called_tools:  # rare: off the per-token path
+        out = delta_to_proto(request_id, replace(delta, tool_calls=(), called_tools=False))
+        out.tool_calls.extend(pb.ToolCallDelta(index=d.index, id=d.id, name=d.name,
+                                               arguments=d.arguments)
+                              for d in delta.tool_calls)
+        if delta.called_tools:
+            out.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+        return out
     if delta.stop_reason is not None:  # a choice's last update: the stop string or id
         out = _delta_to_proto(request_id, delta)
         if isinstance(delta.stop_reason, str):

@@ -32,6 +32,7 @@ from router.frontend import Frontend
 from router.metrics import FrontMetrics
 from router.outputs import FailureKind
 from router.service import InferenceServicer, add_services
+from router.tool_calls.parsers import resolve_format
 
 log = logging.getLogger("stagemesh.router")
 
@@ -59,6 +60,7 @@ class FrontConfig:
             `RouterConfig`.
         metrics_dir: the router's multi-process metrics directory ("" = no metrics).
         otlp_traces_endpoint: as `RouterConfig`; a front process sets up tracing with it.
+        tool_call_parser: as `RouterConfig`.
     """
 
     front_id: int
@@ -77,6 +79,7 @@ class FrontConfig:
     audit_log_content: bool = False
     metrics_dir: str = ""
     otlp_traces_endpoint: str | None = None
+    tool_call_parser: str = "auto"
 
     @classmethod
     def of_router(cls, cfg: RouterConfig, front_id: int, core_address: str,
@@ -84,7 +87,8 @@ class FrontConfig:
         return cls(front_id, core_address, output_address, str(cfg.model_dir),
                    cfg.model_name, cfg.host, port, cfg.max_request_bytes, cfg.stream_interval,
                    cfg.drain_timeout_s, cfg.api_keys, cfg.tls, cfg.audit_log,
-                   cfg.audit_log_content, metrics_dir, cfg.otlp_traces_endpoint)
+                   cfg.audit_log_content, metrics_dir, cfg.otlp_traces_endpoint,
+                   cfg.tool_call_parser)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -106,8 +110,13 @@ class FrontServer:
             use_multiprocess_dir(cfg.metrics_dir)
             metrics = FrontMetrics()
         self.front = Frontend(cfg.front_id, endpoint, tokenizer, cfg.stream_interval, metrics)
+        tool_parser = resolve_format(cfg.tool_call_parser, tokenizer.chat_template_text)
+        if cfg.front_id == 0:
+            log.info("tool calls: %s", f"parsed as {tool_parser.value}" if tool_parser
+                     else "not parsed (--tool-call-parser; only tool_choice none is served)")
         self.servicer = InferenceServicer(self.front, tokenizer, cfg.model_name,
-                                          AuditLog(cfg.audit_log, cfg.audit_log_content))
+                                          AuditLog(cfg.audit_log, cfg.audit_log_content),
+                                          tool_parser)
         self.health = health.HealthServicer()
         interceptors = [api_key_interceptor(ApiKeys(cfg.api_keys))] if cfg.api_keys else []
         # SO_REUSEPORT (gRPC's default on Linux, asked for here because the design relies on

@@ -57,6 +57,7 @@ from router.outputs import (
 from router.request_state import RequestState
 from router.requests import GenerateRequest
 from router.scheduler.sequence import FinishReason
+from router.tool_calls.parsers import new_parser
 
 log = logging.getLogger("stagemesh.router")
 
@@ -128,7 +129,9 @@ class Frontend:
                              req.include_stop_str_in_output, req.skip_special_tokens,
                              hold_tokens=self.stream_interval > 1,
                              stop_token_ids=req.stop_token_ids,
-                             min_tokens=req.sampling.min_tokens)
+                             min_tokens=req.sampling.min_tokens,
+                             tool_parser=(new_parser(req.tool_format)
+                                          if req.tool_format is not None else None))
             for i, seq in enumerate(seq_ids)
         }, unfinished=req.n, arrived=time.monotonic(), arrived_wall=time.time())
         self.requests[req.request_id] = state

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from router.scheduler import FinishReason
+from router.tool_calls.types import ToolCallDelta
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class ChoiceDelta:
     # With finish_reason STOP: the stop string or the stop token id (one of the request's
     # stop_token_ids) that ended the choice; None for the model's EOS (vLLM's stop_reason).
     stop_reason: str | int | None = None
+    # Pieces of tool calls parsed from the output since the previous delta (their text is
+    # not in `text`; `router.tool_calls`).
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    # On a choice's last delta: it ended with STOP having made tool calls (the edges say
+    # finish reason tool_calls).
+    called_tools: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,9 @@ def coalesce(items: Sequence[StreamItem]) -> list[StreamItem]:
                 and prev.index == item.index and prev.finish_reason is None:
             out[-1] = ChoiceDelta(item.index, prev.text + item.text,
                                   prev.token_ids + item.token_ids,
-                                  prev.logprobs + item.logprobs, item.finish_reason)
+                                  prev.logprobs + item.logprobs, item.finish_reason,
+                                  item.stop_reason, prev.tool_calls + item.tool_calls,
+                                  item.called_tools)
         else:
             out.append(item)
     return out

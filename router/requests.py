@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from foundation.sampling_params import SamplingParams
+from router.tool_calls.parsers import ToolCallFormat
+from router.tool_calls.types import ToolCall, ToolChoice, ToolSpec
 
-DEFAULT_ROLES = ("system", "user", "assistant")
+DEFAULT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,14 @@ class TokenPrompt:
 
 @dataclass(frozen=True)
 class ChatMessage:
+    """`tool_calls`: an assistant turn's calls; `tool_call_id` / `name`: a tool turn's call
+    and function (both "" when unset)."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class ChatPrompt:
     prompt (the assistant's turn header) appended."""
 
     messages: tuple[ChatMessage, ...]
+    tools: tuple[ToolSpec, ...] = ()  # given to the chat template as `tools`
 
 
 PromptInput = TextPrompt | TokenPrompt | ChatPrompt
@@ -106,6 +115,8 @@ class RawGenerateRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
+    tool_choice: ToolChoice | None = None  # None: auto with tools, none without
+    parallel_tool_calls: bool = True  # tool_choice required may force several calls
 
 
 @dataclass(frozen=True)
@@ -130,3 +141,4 @@ class GenerateRequest:
     priority: int
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    tool_format: ToolCallFormat | None = None  # tool calls are parsed out of the output

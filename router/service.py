@@ -26,7 +26,13 @@ from foundation.tracing import context_from_metadata, traceparent_of, tracer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from router.audit import AuditLog, AuditRecord, key_id
-from router.convert import delta_to_proto, generate_from_proto, prompt_from_proto, usage_to_proto
+from router.convert import (
+    add_tool_call_deltas,
+    delta_to_proto,
+    generate_from_proto,
+    prompt_from_proto,
+    usage_to_proto,
+)
 from router.core.messages import ServedInfo
 from router.errors import (
     ModelNotFoundError,
@@ -40,6 +46,7 @@ from router.errors import (
 from router.frontend import Frontend
 from router.outputs import ChoiceDelta, RequestDone, RequestFailed
 from router.requests import GenerateRequest
+from router.tool_calls.parsers import ToolCallFormat
 from router.validation import (
     ValidationError,
     validate_prompt,
@@ -59,8 +66,12 @@ class ServedModel:
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, front: Frontend, tokenizer: ModelTokenizer, model_name: str,
-                 audit: AuditLog | None = None) -> None:
+                 audit: AuditLog | None = None,
+                 tool_parser: ToolCallFormat | None = None) -> None:
+        """`tool_parser`: the format tool calls are parsed from outputs in (the router's
+        --tool-call-parser, resolved); None: only tool_choice none is served."""
         self.front = front
+        self.tool_parser = tool_parser
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.draining = False
@@ -102,6 +113,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 choice.finish_reason = msg.finish_reason
             if (kind := msg.WhichOneof("stop_reason")) is not None:
                 setattr(choice, kind, getattr(msg, kind))
+            add_tool_call_deltas(choice.tool_calls, msg.tool_calls)
 
         await self._generate(request.request, context, collect, "Complete")
         reply.choices.extend(choices[i] for i in sorted(choices))
@@ -121,7 +133,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if self.draining:
                 raise UnavailableError("the router is draining; retry on another replica")
             req = validate_request(generate_from_proto(request), served.info.limits,
-                                   self.tokenizer)
+                                   self.tokenizer, self.tool_parser)
             request_id = req.request_id
             record.request_id, record.prompt_tokens = request_id, len(req.prompt_token_ids)
             if span is not None:

@@ -23,6 +23,7 @@ from foundation.sampling_params import SamplingParams, SamplingParamsError
 from foundation.tokenizer import ChatTemplateError
 from router.requests import (
     ChatMessage,
+    ChatPrompt,
     GenerateRequest,
     PromptInput,
     RawGenerateRequest,
@@ -30,6 +31,9 @@ from router.requests import (
     TextPrompt,
     TokenPrompt,
 )
+from router.tool_calls.parsers import ToolCallFormat
+from router.tool_calls.plan import ToolsError, check_tools
+from router.tool_requests import apply_tool_choice, template_messages, template_tools
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -50,11 +54,13 @@ class PromptEncoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]: ...
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]: ...
 
 
 def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
-                     tokenizer: PromptEncoder) -> GenerateRequest:
+                     tokenizer: PromptEncoder,
+                     tool_parser: ToolCallFormat | None = None) -> GenerateRequest:
     """Check every field of `raw` against `limits`, tokenize its prompt and fit max_tokens.
 
     Raises:
@@ -63,6 +69,10 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
     if not raw.request_id:
         _fail("request_id", "request_id must not be empty")
     validate_sampling(raw.sampling, limits)
+    try:  # tools and tool_choice: `tool_parser` is the router's --tool-call-parser
+        sampling, tool_format = apply_tool_choice(raw, tool_parser)
+    except ToolsError as e:
+        raise ValidationError(e.field, e.message) from e
     _check_range("n", raw.n, 1, limits.max_n)
     _check_range("priority", raw.priority, _INT32_MIN, _INT32_MAX)
     if raw.max_tokens is not None:
@@ -86,7 +96,7 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
     return GenerateRequest(
         request_id=raw.request_id,
         prompt_token_ids=prompt_ids,
-        sampling=raw.sampling,
+        sampling=sampling,
         max_tokens=max_tokens,
         stop=raw.stop,
         stop_token_ids=raw.stop_token_ids,
@@ -95,6 +105,7 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
         priority=raw.priority,
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=raw.skip_special_tokens,
+        tool_format=tool_format,
     )
 
 
@@ -148,8 +159,7 @@ def validate_prompt(prompt: PromptInput, limits: RequestLimits,
         field = "messages"
         _check_messages(prompt.messages, limits)
         try:
-            ids = tuple(tokenizer.encode_chat(
-                [{"role": m.role, "content": m.content} for m in prompt.messages]))
+            ids = tuple(_encode_chat(prompt, tokenizer))
         except ChatTemplateError as e:
             raise ValidationError(field, f"messages: {e}") from e
     if truncate is not None:
@@ -194,10 +204,25 @@ def _check_messages(messages: Sequence[ChatMessage], limits: RequestLimits) -> N
         if m.role not in roles:
             _fail(f"messages[{i}].role",
                   f"messages[{i}].role {m.role!r} is not one of {', '.join(roles)}")
-        chars += len(m.content)
+        chars += len(m.content) + sum(len(c.arguments) for c in m.tool_calls)
     if chars > limits.max_prompt_chars:
         _fail("messages", f"messages have {chars} characters of content, "
                           f"at most {limits.max_prompt_chars} are allowed")
+
+
+def _encode_chat(prompt: ChatPrompt, tokenizer: PromptEncoder) -> list[int]:
+    """The messages (and tools, when given) through the chat template."""
+    try:
+        messages = template_messages(prompt.messages)
+    except ToolsError as e:
+        raise ValidationError(e.field, e.message) from e
+    if not prompt.tools:
+        return tokenizer.encode_chat(messages)
+    try:
+        check_tools(prompt.tools)
+    except ToolsError as e:
+        raise ValidationError(e.field, e.message) from e
+    return tokenizer.encode_chat(messages, tools=template_tools(prompt.tools))
 
 
 def _check_prompt_fits(field: str, num_tokens: int, limits: RequestLimits) -> None:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
+from router.tool_calls.parsers import PARSER_CHOICES
 from stagemesh.cli_credentials import (
     add_api_key_args,
     add_client_tls_args,
@@ -274,6 +275,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "feedback link (last stage to first) is always TCP. `stagemesh serve` "
                         "passes it to its stages too, which then offer only that transport "
                         "(auto: what they can) (default: %(default)s)")
+    p.add_argument("--tool-call-parser", default="auto", choices=PARSER_CHOICES,
+                   help="how tool calls are found in chat outputs, as vLLM's flag: hermes "
+                        "(<tool_call> JSON </tool_call>: Hermes, Qwen2.5), llama3_json "
+                        "(Llama 3.1+ JSON calls), auto (from the chat template: <tool_call> "
+                        "-> hermes, <|python_tag|> or ipython -> llama3_json, else none), "
+                        "none (only tool_choice none is served) (default: %(default)s)")
     p.add_argument("--standby-grace", type=float, default=5.0, metavar="SECONDS",
                    help="how long a lost stage may take to come back before a standby stage "
                         "takes its place (default: %(default)s)")
@@ -325,6 +332,7 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         standby_stages=tuple(s.strip() for s in getattr(args, "standby_stages", "").split(",")
                              if s.strip()),
         standby_grace_s=args.standby_grace,
+        tool_call_parser=args.tool_call_parser,
         metrics_port=getattr(args, "metrics_port", None),
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
     )

@@ -229,7 +229,8 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--trace-step-interval", str(args.trace_step_interval),
               "--api-processes", str(args.api_processes),
               "--transport", args.transport,
-              "--standby-grace", str(args.standby_grace)]
+              "--standby-grace", str(args.standby_grace),
+              "--tool-call-parser", args.tool_call_parser]
     if standby_addresses:
         router += ["--standby-stages", ",".join(standby_addresses)]
     router_metrics, router_metrics_url = metrics(args.host)

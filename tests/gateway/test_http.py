@@ -96,7 +96,9 @@ CHAT_TYPES = [
     ({"messages": CHAT, "logprobs": 3}, "logprobs"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "max_completion_tokens": 1.5}, "max_completion_tokens"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]},
+     "tools[0].x"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": CHAT, "response_format": {"type": "json_schema"}},
      "response_format.json_schema"),
@@ -133,6 +135,9 @@ ROUTER_RANGES = [
     ("/v1/completions", {"prompt": [1, 2, 49152]}, "prompt[2]"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a"] * 100}, "stop"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
+    # the default model's chat template knows no tools: no parser, so only tool_choice none
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
      "messages[0].role"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 50},

@@ -144,7 +144,7 @@ BAD = [
     ({"prompt": ChatPrompt(())}, {}, "messages", "messages must not be empty"),
     ({"prompt": ChatPrompt((ChatMessage("system", "s"), ChatMessage("user", "u"),
                             ChatMessage("wizard", "w")))}, {}, "messages[2].role",
-     "messages[2].role 'wizard' is not one of system, user, assistant"),
+     "messages[2].role 'wizard' is not one of system, user, assistant, tool"),
     ({"prompt": TokenPrompt((1, 2, 3, OUT_OF_VOCAB))}, {}, "prompt_token_ids[3]",
      "prompt_token_ids[3] = 50000 is outside the vocabulary [0, 49152)"),
     ({"prompt": TokenPrompt((-1,))}, {}, "prompt_token_ids[0]",
