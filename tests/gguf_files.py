@@ -26,9 +26,15 @@ def _byte_symbols() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0) -> Path:
-    """A 2-layer model of `arch` (qwen2 has q/k/v biases), fp32 tensors, at `path`."""
+def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0,
+                    quantization: str = "F32") -> Path:
+    """A 2-layer model of `arch` (qwen2 has q/k/v biases) at `path`: fp32 tensors, or the
+    2-D weights (the projections, embedding and head) stored as `quantization`, a
+    GGMLQuantizationType name (Q8_0, ...: quantized with the `gguf` package; a type it
+    does not dequantize, such as Q8_1, as zero bytes of the right size)."""
     import gguf
+
+    qtype = gguf.GGMLQuantizationType[quantization]
 
     tokens = [*_byte_symbols(), "Ġt", "he", "Ġthe", "<|endoftext|>", "<|im_start|>",
               "<|im_end|>"]
@@ -57,7 +63,15 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
 
     def tensor(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+        data = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if len(shape) == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, data)
+        elif qtype in gguf.quants._type_traits:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.zeros((*shape[:-1], shape[-1] // block * size), np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qtype)
 
     tensor("token_embd.weight", len(tokens), hidden)
     for i in range(layers):

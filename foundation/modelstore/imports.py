@@ -90,23 +90,37 @@ def import_model(path: Path, home: Path, force: bool = False) -> Path:
 
 
 def gguf_architecture(path: Path) -> str:
-    """The model_type of a GGUF file's architecture.
+    """The model_type of a GGUF file's architecture, once its header shows that every tensor
+    is of a type the import can read (float, or a quantization the `gguf` package
+    dequantizes, which is what transformers' reader uses).
 
     Raises:
-        ModelError: unreadable, or an architecture the runtime does not implement."""
+        ModelError: unreadable, an architecture the runtime does not implement, or a tensor
+            type the import cannot dequantize (named with its tensor)."""
     try:
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType, GGUFReader
+        from gguf.quants import _type_traits as dequantizable
     except ImportError as e:
         raise ModelError(f"reading GGUF files needs the gguf extra ({e}): run "
                          "`pip install 'stagemesh[gguf]'`") from None
     try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
         arch = bytes(field.parts[field.data[0]]).decode("utf-8")
     except Exception as e:
         raise ModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     if arch not in GGUF_ARCHITECTURES:
         raise ModelError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
                          f"{', '.join(sorted(GGUF_ARCHITECTURES))})")
+    floats = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    readable = floats | set(dequantizable)
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in readable:
+            names = sorted(t.name for t in readable)
+            raise ModelError(f"{path}: tensor {tensor.name} is stored as "
+                             f"{tensor.tensor_type.name}, a GGUF type this import cannot "
+                             f"dequantize (readable: {', '.join(names)}); convert the file "
+                             "to one of them, e.g. with llama.cpp's llama-quantize")
     return GGUF_ARCHITECTURES[arch]
 
 

@@ -1,8 +1,9 @@
 """`stagemesh import-model` / `--model FILE.gguf`: a GGUF file of another architecture than
 the default model's (Qwen2, with q/k/v biases), written in the test with the `gguf` package,
 imported once into the store and served with the greedy tokens transformers' own GGUF reader
-gives; an unsupported architecture refused before any tensor is read; a checkpoint directory
-whose tensors do not fit its config refused naming the tensor."""
+gives, also from Q8_0-quantized weights; an unsupported architecture, or a tensor type the
+import cannot dequantize, refused from the header before any tensor is read; a checkpoint
+directory whose tensors do not fit its config refused naming the tensor."""
 
 from __future__ import annotations
 
@@ -53,6 +54,34 @@ def test_a_qwen2_gguf_is_imported_once_and_gives_transformers_greedy_tokens(
                                                              num_blocks=32)),
                            prompts, max_new_tokens=8)
     assert ours == want
+
+
+def test_a_q8_0_gguf_gives_the_tokens_of_transformers_dequantized_weights(
+        home: Path, tmp_path: Path) -> None:
+    import transformers
+
+    from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
+
+    gguf = write_tiny_gguf(tmp_path / "tiny-llama-q8.gguf", "llama", quantization="Q8_0")
+    model_dir = import_model(gguf, home)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=gguf.name, dtype=torch.float32).eval()
+    prompt = [5, 70, 257, 258, 33]
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 5:]
+    ours = greedy_generate(LocalPipeline(LocalPipelineConfig(model_dir, 1, block_size=8,
+                                                             num_blocks=32)),
+                           [prompt], max_new_tokens=8)
+    assert ours == [want.tolist()]
+
+
+def test_a_tensor_type_the_import_cannot_read_is_refused_naming_it(home: Path,
+                                                                   tmp_path: Path) -> None:
+    gguf = write_tiny_gguf(tmp_path / "tiny-q8_1.gguf", "llama", quantization="Q8_1")
+    with pytest.raises(ModelError, match=r"tensor token_embd.weight is stored as Q8_1, a GGUF "
+                                         r"type this import cannot dequantize \(readable: "
+                                         r".*Q8_0"):
+        import_model(gguf, home)
+    assert not (home / "models").exists()  # refused from the header, nothing written
 
 
 def test_an_unsupported_architecture_is_refused_by_name(home: Path, tmp_path: Path) -> None:
