@@ -114,3 +114,38 @@ def test_auto_picks_the_format_from_the_chat_template() -> None:
     assert resolve_format("hermes", None) is H
     assert resolve_format("llama3_json", "<tool_call>") is L
     assert resolve_format("none", "<tool_call>") is None
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_choice_turns_its_tokens_into_content_and_call_pieces(hold: bool) -> None:
+    """ChoiceState with a parser, fed the default model's tokens one at a time (held and
+    decoded in batches with `hold`, as with --stream-interval > 1): the text of the calls
+    leaves the content, each call comes as its two pieces, and the finish says tool_calls."""
+    from foundation.tokenizer import ModelTokenizer
+    from router.choice import ChoiceState
+    from router.outputs import ChoiceDelta, coalesce
+    from router.scheduler import FinishReason
+    from tests.default_model import default_model_dir
+
+    tok = ModelTokenizer.from_dir(default_model_dir())
+    text = f'Checking.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{{"name": "now"}}' \
+           '\n</tool_call>'
+    ids = [*tok.encode(text, False), tok.special.eos_ids[0]]  # EOS: STOP, no text
+    choice = ChoiceState(0, 1, tok.tokenizer, (1,), (), False, True, hold_tokens=hold,
+                         tool_parser=new_parser(H))
+    deltas: list[ChoiceDelta] = []
+    for k, token in enumerate(ids):
+        last = k == len(ids) - 1
+        delta = choice.on_token(token, None, FinishReason.STOP if last else None)
+        if delta is None and k % 5 == 4:
+            delta = choice.take_held()
+        if delta is not None:
+            deltas.append(delta)
+    (whole,) = coalesce(deltas)
+    assert isinstance(whole, ChoiceDelta) and whole.token_ids == tuple(ids)
+    assert whole.text == "Checking." and whole.called_tools
+    pieces = whole.tool_calls
+    assert [(p.index, bool(p.id), p.name) for p in pieces] == [
+        (0, True, "get_weather"), (0, False, ""), (1, True, "now"), (1, False, "")]
+    assert json.loads(pieces[1].arguments) == {"city": "Paris", "days": 2}
+    assert json.loads(pieces[3].arguments) == {}
