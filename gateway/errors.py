@@ -38,7 +38,7 @@ _ROUTER_FIELDS = frozenset({
     "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "logprobs", "n", "stop", "stop_token_ids", "priority", "request_id", "token_ids",
     "truncate_prompt_tokens", "min_tokens", "logit_bias", "ignore_eos", "structured_output",
-    "tools", "tool_choice"})
+    "tools", "tool_choice", "beam_search"})
 # Router fields a client sends under one name of its own, whole: the router's sub-field
 # ("structured_output.json_schema") is not part of the client's name ("response_format").
 _WHOLE_RENAMES = frozenset({"structured_output"})
@@ -72,7 +72,8 @@ def invalid(param: str | None, message: str) -> APIError:
 
 def from_rpc_error(err: grpc.RpcError, rename: Mapping[str, str] | None = None) -> APIError:
     """The HTTP error for a failed router call: INVALID_ARGUMENT -> 400 (`param` = the field
-    the router named, through `rename` into the client's vocabulary), NOT_FOUND -> 404,
+    the router named, through `rename` into the client's vocabulary; a rename of the whole
+    dotted name, "beam_search.beam_width", renames it in the message too), NOT_FOUND -> 404,
     RESOURCE_EXHAUSTED -> 429 with Retry-After (the router's `retry-after` trailer, else 1 s),
     UNAVAILABLE -> 503, DEADLINE_EXCEEDED -> 504; anything else -> 500."""
     code = err.code()
@@ -84,9 +85,12 @@ def from_rpc_error(err: grpc.RpcError, rename: Mapping[str, str] | None = None) 
     if status == 400:
         match = _LEADING_FIELD.match(details)
         if match and match.group(1) in _ROUTER_FIELDS:
-            base = match.group(1)
+            base, full = match.group(1), match.group(0)
             renamed = (rename or {}).get(base)
-            if renamed is not None and base in _WHOLE_RENAMES:
+            if full != base and full in (rename or {}):
+                param = (rename or {})[full]
+                details = param + details[len(full):]
+            elif renamed is not None and base in _WHOLE_RENAMES:
                 param = renamed
             else:
                 param = (renamed or base) + match.group(0)[len(base):]

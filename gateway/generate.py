@@ -35,6 +35,11 @@ def _renames(spec: GenerationSpec) -> dict[str, str]:
     """Router field names -> the names this endpoint's clients sent."""
     structured = {} if spec.structured_field is None else \
         {"structured_output": spec.structured_field}
+    beam = spec.options.get("beam_search")
+    if beam is not None:  # vLLM's names (the width is best_of, else n), with the others
+        structured.update({
+            "beam_search": "use_beam_search", "beam_search.length_penalty": "length_penalty",
+            "beam_search.beam_width": "n" if beam["beam_width"] is None else "best_of"})
     if spec.endpoint is Endpoint.CHAT:
         return {"prompt": "messages", "input": "messages", "logprobs": "top_logprobs",
                 "max_tokens": spec.max_tokens_field, **structured}

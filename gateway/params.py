@@ -4,7 +4,8 @@ Field types are checked here (`gateway.fields`); value ranges are left to the ro
 names the field and the limit. Features the router cannot honour (suffix, best_of > n)
 are refused with 400 rather than ignored; structured output (`response_format`, vLLM's
 `guided_*`) is read by `gateway.structured`, tool calling (`tools`, `tool_choice`, tool
-messages) by `gateway.tools`.
+messages) by `gateway.tools`. vLLM's beam search (`use_beam_search`, where best_of may
+exceed n) is read by `_beam_search`.
 """
 
 from __future__ import annotations
@@ -72,10 +73,7 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
     _refuse_unsupported(f, suffix="")
     echo = bool(f.boolean("echo"))
     n = f.integer("n")
-    best_of = f.integer("best_of")
-    if best_of is not None and best_of != (n or 1):
-        raise invalid("best_of", f"best_of must equal n ({n or 1}) or be unset; "
-                                 f"ranking {best_of} candidates is not supported")
+    beam = _beam_search(f, n)
     logprobs = f.integer("logprobs")
     if echo and logprobs is not None:
         raise invalid("echo", "echo with logprobs would need the prompt's log probabilities, "
@@ -83,6 +81,7 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
     max_tokens = f.integer("max_tokens")
     options = _common_options(f)
     options["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    options["beam_search"] = beam
     spec = _spec(f, Endpoint.COMPLETIONS, parse_prompts(f.raw("prompt"), max_prompts), n,
                  logprobs, "max_tokens", options)
     spec = _with_structured_output(f, spec)
@@ -102,6 +101,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationSpec:
     options = {**_common_options(f), **tool_options(f)}
     field = "max_completion_tokens" if f.raw("max_completion_tokens") is not None \
         else "max_tokens"
+    options["beam_search"] = _beam_search(f, f.integer("n"))
     options["max_tokens"] = f.integer(field)
     f.raw("max_tokens")  # read: with max_completion_tokens set, max_tokens is ignored
     spec = _spec(f, Endpoint.CHAT, (Prompt(messages=messages),), f.integer("n"), logprobs,
@@ -148,6 +148,31 @@ def _common_options(f: Fields) -> dict[str, Any]:
     options["min_tokens"] = f.integer("min_tokens")
     options["logit_bias"] = _logit_bias(f)
     return options
+
+
+def _beam_search(f: Fields, n: int | None) -> dict[str, Any] | None:
+    """vLLM's beam search fields: with `use_beam_search`, `build_request`'s `beam_search`
+    argument (beam_width = best_of; unset: the router's default, n); without it best_of
+    must equal n and length_penalty / early_stopping are refused (they would change
+    nothing)."""
+    best_of = f.integer("best_of")
+    length_penalty = f.number("length_penalty")
+    early_stopping = f.raw("early_stopping")
+    if not f.boolean("use_beam_search"):
+        if best_of is not None and best_of != (n or 1):
+            raise invalid("best_of", f"best_of must equal n ({n or 1}) or be unset without "
+                                     f"use_beam_search; ranking {best_of} sampled candidates "
+                                     "is not supported")
+        for key, value in (("length_penalty", length_penalty),
+                           ("early_stopping", early_stopping)):
+            if value is not None:
+                raise invalid(key, f"{key} applies to beam search only; set use_beam_search")
+        return None
+    if early_stopping not in (None, True, False, "never"):
+        raise invalid("early_stopping", "early_stopping must be true, false or \"never\", "
+                                        f"got {early_stopping!r}")
+    return {"beam_width": best_of, "length_penalty": length_penalty,
+            "early_stopping": early_stopping}
 
 
 def _with_structured_output(f: Fields, spec: GenerationSpec) -> GenerationSpec:

@@ -49,6 +49,7 @@ class Chunk:
     # Tool-call pieces parsed from the output, (index, id, name, arguments): a call's first
     # piece has its id and name, later ones argument text (GenerateResponse.tool_calls).
     tool_calls: tuple[ToolCallPiece, ...] = ()
+    beam_score: float | None = None  # see GenerateResponse.beam_score
 
 
 @dataclass
@@ -73,9 +74,12 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, Any
                   tools: Sequence[dict[str, Any]] | None = None,
                   tool_choice: str | dict[str, Any] | None = None,
                   parallel_tool_calls: bool | None = None,
+                  beam_search: dict[str, Any] | None = None,
                   **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments; sampling keys as in `SamplingParams`;
-    messages, tools and tool_choice in OpenAI's shapes (`router.client_tools`)."""
+    messages, tools and tool_choice in OpenAI's shapes (`router.client_tools`); beam_search
+    as {"beam_width", "length_penalty", "early_stopping": False | True | "never"}, unset
+    keys or None values left to the router."""
     unknown = set(sampling) - set(_SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
@@ -111,7 +115,27 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, Any
         req.tool_choice.CopyFrom(tool_choice_to_proto(tool_choice))
     if parallel_tool_calls is not None:
         req.parallel_tool_calls = parallel_tool_calls
+    if beam_search is not None:
+        set_beam_search(req.beam_search, **beam_search)
     return req
+
+
+_EARLY_STOPPING = {None: pb.BEAM_EARLY_STOPPING_UNSPECIFIED,
+                   False: pb.BEAM_EARLY_STOPPING_UNSPECIFIED,
+                   True: pb.BEAM_EARLY_STOPPING_FINISHED, "never": pb.BEAM_EARLY_STOPPING_NEVER}
+
+
+def set_beam_search(msg: pb.BeamSearch, beam_width: int | None = None,
+                    length_penalty: float | None = None,
+                    early_stopping: bool | str | None = None) -> None:
+    """Fill `msg` (present even with every argument None: beam search with its defaults);
+    early_stopping as HF generate's (False, True or "never")."""
+    msg.SetInParent()
+    if beam_width is not None:
+        msg.beam_width = beam_width
+    if length_penalty is not None:
+        msg.length_penalty = length_penalty
+    msg.early_stopping = _EARLY_STOPPING[early_stopping]
 
 
 def set_structured_output(msg: pb.StructuredOutput, kind: str, spec: Any = None) -> None:
@@ -149,7 +173,8 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
     stop_reason = None if kind is None else getattr(msg, kind)
     return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
                  finish_reason_text(msg.finish_reason), logprobs, usage, msg.prompt_tokens,
-                 stop_reason, tool_calls=tool_call_pieces(msg) if msg.tool_calls else ())
+                 stop_reason, tool_calls=tool_call_pieces(msg) if msg.tool_calls else (),
+                 beam_score=msg.beam_score if msg.HasField("beam_score") else None)
 
 
 class RouterClient:

@@ -13,8 +13,10 @@ from foundation.structured_output import ConstraintKind, StructuredOutput
 from protos.stagemesh.v1 import inference_pb2 as pb
 from router.outputs import ChoiceDelta, RequestTiming, Usage
 from router.requests import (
+    BeamSearchParams,
     ChatMessage,
     ChatPrompt,
+    EarlyStopping,
     PromptInput,
     RawGenerateRequest,
     TextPrompt,
@@ -28,6 +30,9 @@ _TOOL_CHOICE = {pb.TOOL_CHOICE_MODE_NONE: ToolChoiceMode.NONE,
                 pb.TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.AUTO,
                 pb.TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.REQUIRED}
 
+_EARLY_STOPPING = {pb.BEAM_EARLY_STOPPING_UNSPECIFIED: EarlyStopping.HEURISTIC,
+                   pb.BEAM_EARLY_STOPPING_FINISHED: EarlyStopping.FINISHED,
+                   pb.BEAM_EARLY_STOPPING_NEVER: EarlyStopping.NEVER}
 # The one table between the router's finish reasons and the public API's.
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
@@ -114,14 +119,28 @@ def add_tool_call_deltas(calls: Any, deltas: Sequence[pb.ToolCallDelta]) -> None
         call.arguments += d.arguments
 
 
+def beam_from_proto(msg: pb.BeamSearch) -> BeamSearchParams:
+    if msg.early_stopping not in _EARLY_STOPPING:
+        raise ValidationError("beam_search.early_stopping", "beam_search.early_stopping is "
+                              f"not a BeamEarlyStopping value: {msg.early_stopping}")
+    return BeamSearchParams(
+        width=msg.beam_width if msg.HasField("beam_width") else None,
+        length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+        early_stopping=_EARLY_STOPPING[msg.early_stopping])
+
+
 def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
     logprobs = msg.logprobs if msg.HasField("logprobs") else None
     if logprobs is not None and logprobs < 0:
         raise ValidationError("logprobs", f"logprobs must be >= 0, got {logprobs}")
+    sampling = sampling_from_proto(msg.sampling, logprobs)
+    beam = beam_from_proto(msg.beam_search) if msg.HasField("beam_search") else None
+    if beam is not None and not msg.sampling.HasField("temperature"):
+        sampling = replace(sampling, temperature=0.0)  # unset means 0 with beam search
     return RawGenerateRequest(
         request_id=msg.request_id or f"req-{uuid.uuid4().hex[:16]}",
         prompt=prompt_from_proto(msg),
-        sampling=sampling_from_proto(msg.sampling, logprobs),
+        sampling=sampling,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -133,6 +152,7 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
                              else True),
         truncate_prompt_tokens=(msg.truncate_prompt_tokens
                                 if msg.HasField("truncate_prompt_tokens") else None),
+        beam=beam,
         tool_choice=(tool_choice_from_proto(msg.tool_choice)
                      if msg.HasField("tool_choice") else None),
         parallel_tool_calls=(msg.parallel_tool_calls if msg.HasField("parallel_tool_calls")
@@ -141,6 +161,10 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
 
 
 def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
+    if delta.beam_score is not None:  # a beam search's hypothesis, whole
+        out = _delta_to_proto(request_id, delta)
+        out.beam_score = delta.beam_score
+        return out
     if delta.tool_calls or delta.called_tools:  # rare: off the per-token path
         out = delta_to_proto(request_id, replace(delta, tool_calls=(), called_tools=False))
         out.tool_calls.extend(pb.ToolCallDelta(index=d.index, id=d.id, name=d.name,

@@ -35,6 +35,8 @@ class ChoiceDelta:
     # On a choice's last delta: it ended with STOP having made tool calls (the edges say
     # finish reason tool_calls).
     called_tools: bool = False
+    # With beam search: the hypothesis's score (`router.beam_search`); None otherwise.
+    beam_score: float | None = None
 
 
 @dataclass(frozen=True)

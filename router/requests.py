@@ -9,6 +9,7 @@ Imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from foundation.sampling_params import SamplingParams
 from router.tool_calls.parsers import ToolCallFormat
@@ -94,6 +95,32 @@ class RequestLimits:
         if not self.allowed_roles:
             raise ValueError("RequestLimits.allowed_roles must not be empty")
 
+    @property
+    def max_beam_width(self) -> int:
+        """The widest beam search: each step asks for 2 x width log probabilities."""
+        return min(self.max_n, self.max_logprobs // 2)
+
+
+class EarlyStopping(Enum):
+    """When a beam search stops before max_tokens (HF generate's `early_stopping`)."""
+
+    HEURISTIC = "heuristic"  # HF's False: the best running beam, at its length, cannot win
+    FINISHED = "finished"  # HF's True: as soon as beam_width hypotheses are finished
+    NEVER = "never"  # HF's "never": no running beam could win even at max_tokens
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search instead of sampling (`router.beam_search`).
+
+    width: beams kept per step; None (in a raw request) means the request's n.
+    length_penalty: a finished hypothesis scores sum_logprobs / generated**length_penalty.
+    """
+
+    width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = EarlyStopping.HEURISTIC
+
 
 @dataclass(frozen=True)
 class RawGenerateRequest:
@@ -115,6 +142,7 @@ class RawGenerateRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens
+    beam: BeamSearchParams | None = None  # beam search instead of sampling
     tool_choice: ToolChoice | None = None  # None: auto with tools, none without
     parallel_tool_calls: bool = True  # tool_choice required may force several calls
 
@@ -141,4 +169,5 @@ class GenerateRequest:
     priority: int
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    beam: BeamSearchParams | None = None  # with a width; n of its hypotheses are returned
     tool_format: ToolCallFormat | None = None  # tool calls are parsed out of the output

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +26,7 @@ from foundation.tracing import context_from_metadata, traceparent_of, tracer
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from router.audit import AuditLog, AuditRecord, key_id
+from router.beam_search import run_beam_search
 from router.convert import (
     add_tool_call_deltas,
     delta_to_proto,
@@ -44,7 +45,7 @@ from router.errors import (
     unary_errors,
 )
 from router.frontend import Frontend
-from router.outputs import ChoiceDelta, RequestDone, RequestFailed
+from router.outputs import ChoiceDelta, RequestDone, RequestFailed, StreamItem
 from router.requests import GenerateRequest
 from router.tool_calls.parsers import ToolCallFormat
 from router.validation import (
@@ -113,6 +114,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 choice.finish_reason = msg.finish_reason
             if (kind := msg.WhichOneof("stop_reason")) is not None:
                 setattr(choice, kind, getattr(msg, kind))
+            if msg.HasField("beam_score"):
+                choice.beam_score = msg.beam_score
             add_tool_call_deltas(choice.tool_calls, msg.tool_calls)
 
         await self._generate(request.request, context, collect, "Complete")
@@ -143,8 +146,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 record.prompt = self.tokenizer.decode(req.prompt_token_ids,
                                                       skip_special_tokens=False)
             first_response = True
-            async for items in self.front.submit(
-                    req, traceparent_of(span) if span is not None else ""):
+            async for items in self._stream(req, served, span):
                 for item in items:
                     if isinstance(item, ChoiceDelta):
                         if first_token and item.token_ids and span is not None:
@@ -179,6 +181,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             audit.emit(record)
             if span is not None:
                 _end_generate_span(span, record)
+
+    def _stream(self, req: GenerateRequest, served: ServedModel, span: Span | None
+                ) -> AsyncIterator[list[StreamItem]]:
+        """The request's stream: the front's, or a beam search's over the front."""
+        if req.beam is not None:
+            return run_beam_search(self.front, req, self.tokenizer.special.eos_ids,
+                                   served.info.limits.max_logprobs, self.tokenizer.decode)
+        return self.front.submit(req, traceparent_of(span) if span is not None else "")
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest,

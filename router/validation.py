@@ -10,18 +10,23 @@ Limits (vLLM / OpenAI-like; sampling ranges live in `SamplingParams.validate`):
   [0, max_logprobs]; max_tokens in [1, max_tokens_cap]; n in [1, max_n]; priority fits int32
   (the gRPC field's type); stop strings non-empty, at most max_stop_sequences of at most
   max_stop_len characters; stop token ids and prompt token ids in [0, vocab_size).
+  Beam search: width in [n, min(max_n, max_logprobs // 2)], finite length_penalty, every
+  sampling field neutral (temperature 0), no stop strings or stop token ids.
 
 Cheap checks run before the prompt is tokenized, so a bad request costs no tokenizer work.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NoReturn, Protocol
 
 from foundation.sampling_params import SamplingParams, SamplingParamsError
 from foundation.tokenizer import ChatTemplateError
 from router.requests import (
+    BeamSearchParams,
     ChatMessage,
     ChatPrompt,
     GenerateRequest,
@@ -85,6 +90,7 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
     if raw.truncate_prompt_tokens is not None:
         _check_range("truncate_prompt_tokens", raw.truncate_prompt_tokens, 1,
                      limits.max_model_len - 1)
+    beam = None if raw.beam is None else validate_beam(raw, limits)
     prompt_ids = validate_prompt(raw.prompt, limits, tokenizer, raw.truncate_prompt_tokens)
     max_tokens = fit_max_tokens(len(prompt_ids), raw.max_tokens, limits)
     if raw.ignore_eos and raw.sampling.structured is not None:
@@ -105,8 +111,49 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
         priority=raw.priority,
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=raw.skip_special_tokens,
+        beam=beam,
         tool_format=tool_format,
     )
+
+
+# Sampling fields beam search cannot honour, with their neutral values: the beams are
+# ranked by the model's raw log probabilities, which these would not change.
+_BEAM_NEUTRAL = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0),
+                 ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                 ("frequency_penalty", 0.0), ("min_tokens", 0), ("logit_bias", ()),
+                 ("structured", None), ("logprobs", None), ("prompt_logprobs", None))
+_BEAM_FIELD_NAMES = {"structured": "structured_output"}
+
+
+def validate_beam(raw: RawGenerateRequest, limits: RequestLimits) -> BeamSearchParams:
+    """`raw.beam` with its width filled in (n when unset), in [n, max_beam_width]; every
+    sampling field at its neutral value and no stop strings or stop token ids (a finished
+    hypothesis ends at the model's end-of-sequence token or max_tokens only)."""
+    assert raw.beam is not None
+    width = raw.n if raw.beam.width is None else raw.beam.width
+    top = limits.max_beam_width
+    if top < 1:
+        _fail("beam_search", f"beam search needs max_logprobs >= 2 on this server "
+                             f"(it is {limits.max_logprobs})")
+    if not raw.n <= width <= top:
+        _fail("beam_search.beam_width", f"beam_search.beam_width must be between n "
+                                        f"({raw.n}) and {top}, got {width}")
+    if not math.isfinite(raw.beam.length_penalty):
+        _fail("beam_search.length_penalty", "beam_search.length_penalty must be finite, "
+                                            f"got {raw.beam.length_penalty}")
+    for name, neutral in _BEAM_NEUTRAL:
+        value = getattr(raw.sampling, name, neutral)
+        if value != neutral:
+            field = _BEAM_FIELD_NAMES.get(name, name)
+            _fail(field, f"{field} cannot be combined with beam search (got {value!r}; "
+                         f"beam search ranks the model's own log probabilities)")
+    if raw.sampling.top_k not in (-1, 0):
+        _fail("top_k", f"top_k cannot be combined with beam search (got {raw.sampling.top_k})")
+    for name in ("stop", "stop_token_ids"):
+        if getattr(raw, name):
+            _fail(name, f"{name} cannot be combined with beam search (a hypothesis ends at "
+                        "the end-of-sequence token or max_tokens)")
+    return replace(raw.beam, width=width)
 
 
 def validate_sampling(sampling: SamplingParams, limits: RequestLimits) -> None:

@@ -23,7 +23,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
           "top_logprobs", "user", "echo", "best_of", "logit_bias", "response_format",
           "tools", "ignore_eos", "suffix", "guided_json", "guided_regex", "guided_choice",
-          "guided_grammar"]
+          "guided_grammar", "use_beam_search", "length_penalty", "early_stopping"]
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70)

@@ -135,9 +135,9 @@ def test_api_keys_from_every_source(tmp_path: Path) -> None:
 def test_unknown_fields_are_refused_by_name(parse: Any) -> None:
     """A vLLM extension this server does not implement must not be silently ignored."""
     with pytest.raises(APIError) as one:
-        parse({"use_beam_search": True})
-    assert one.value.status == 400 and one.value.param == "use_beam_search"
-    assert "use_beam_search" in one.value.message
+        parse({"allowed_token_ids": [1, 2]})
+    assert one.value.status == 400 and one.value.param == "allowed_token_ids"
+    assert "allowed_token_ids" in one.value.message
     with pytest.raises(APIError) as two:
         parse({"prompt_logprobs": 1, "guided_whitespace_pattern": " ", "temperature": 0})
     assert two.value.param == "guided_whitespace_pattern"  # the first, by name; both named
