@@ -38,6 +38,7 @@ def _hf_tops(prompt: list[int], beams: Sequence[tuple[int, ...]], k: int
             for t, v in zip(tokens, values, strict=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_the_search_returns_hf_beams(case: BeamCase) -> None:
     params = BeamSearchParams(case.width, case.length_penalty, case.early_stopping)
