@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from foundation.sampling_params import SamplingParams
-from router.outputs import ChoiceDelta, RequestDone, RequestFailed, StreamItem, Usage
+from router.outputs import (
+    ChoiceDelta,
+    FailureKind,
+    RequestDone,
+    RequestFailed,
+    StreamItem,
+    Usage,
+)
 from router.requests import BeamSearchParams, EarlyStopping, GenerateRequest
 from router.scheduler import FinishReason
 
@@ -146,6 +153,9 @@ async def run_beam_search(front: Submitter, req: GenerateRequest, stop_ids: Sequ
             _next_logprobs(front, req, beam, k, f"{req.request_id}.beam-{step}-{i}")
             for i, beam in enumerate(search.running)))
         failed = next((t for t in tops if isinstance(t, RequestFailed)), None)
+        if failed is None and not all(tops):  # a step request was aborted by its own id
+            failed = RequestFailed(FailureKind.UNAVAILABLE,
+                                   "a beam search step was aborted before it answered")
         if failed is not None:
             yield [failed]
             return

@@ -5,21 +5,33 @@ rules on a toy model; validation of beam search requests."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from foundation.sampling_params import SamplingParams
-from router.beam_search import BeamSearch, TopLogprobs
+from router.beam_search import BeamSearch, TopLogprobs, run_beam_search
+from router.outputs import (
+    ChoiceDelta,
+    FailureKind,
+    RequestDone,
+    RequestFailed,
+    StreamItem,
+    TokenLogprob,
+    Usage,
+)
 from router.requests import (
     BeamSearchParams,
     EarlyStopping,
+    GenerateRequest,
     RawGenerateRequest,
     RequestLimits,
     TokenPrompt,
 )
+from router.scheduler import FinishReason
 from router.validation import ValidationError, validate_request
 from tests.default_model import EOS, hf_model
 from tests.router.beam_hf import CASES, BeamCase, hf_beams
@@ -122,3 +134,59 @@ def test_validation_fills_the_width_and_names_each_refused_field() -> None:
         with pytest.raises(ValidationError) as bad:
             _validate(changes.pop("beam", BeamSearchParams()), **changes)
         assert bad.value.field == field and limit in bad.value.message, bad.value.message
+
+
+class _FakeFront:
+    """Answers each 1-token request from `_TABLE` (keyed by the tokens after the prompt)."""
+
+    def __init__(self, prompt: tuple[int, ...], abort: bool = False) -> None:
+        self.prompt = prompt
+        self.abort = abort
+        self.requests: list[GenerateRequest] = []
+
+    def submit(self, req: GenerateRequest, traceparent: str = ""
+               ) -> AsyncIterator[list[StreamItem]]:
+        self.requests.append(req)
+        top = tuple(_TABLE[req.prompt_token_ids[len(self.prompt):]])
+        logprobs = () if self.abort else (TokenLogprob(top[0][0], top[0][1], top),)
+        reason = FinishReason.ABORT if self.abort else FinishReason.LENGTH
+        items: list[StreamItem] = [ChoiceDelta(0, "", (top[0][0],), logprobs, reason),
+                                   RequestDone(Usage(len(req.prompt_token_ids), 1))]
+
+        async def stream() -> AsyncIterator[list[StreamItem]]:
+            yield items
+        return stream()
+
+
+async def _run(front: _FakeFront, req: GenerateRequest) -> list[StreamItem]:
+    out: list[StreamItem] = []
+    async for items in run_beam_search(front, req, [9], 20,
+                                       lambda ids, skip: " ".join(map(str, ids))):
+        out += items
+    return out
+
+
+def test_the_driver_asks_one_token_per_beam_and_answers_whole_choices() -> None:
+    prompt = (5, 6, 7)
+    req = _validate(BeamSearchParams(2, 1.0, EarlyStopping.FINISHED), n=2, max_tokens=3,
+                    prompt=TokenPrompt(prompt))
+    front = _FakeFront(prompt)
+    out = asyncio.run(_run(front, req))
+    first = front.requests[0]
+    assert first.prompt_token_ids == prompt and first.max_tokens == 1
+    assert first.sampling.logprobs == 4 and first.sampling.temperature == 0.0
+    assert [r.prompt_token_ids[3:] for r in front.requests] == [(), (1,), (2,), (2, 4),
+                                                                (1, 4)]
+    assert out[:2] == [
+        ChoiceDelta(0, "1", (1, 9), finish_reason=FinishReason.STOP,
+                    beam_score=pytest.approx(-0.1)),
+        ChoiceDelta(1, "2 4", (2, 4, 9), finish_reason=FinishReason.STOP,
+                    beam_score=pytest.approx(-0.8 / 3))]
+    assert out[2] == RequestDone(Usage(3, 5))
+
+
+def test_an_aborted_step_fails_the_search() -> None:
+    req = _validate(BeamSearchParams(2), prompt=TokenPrompt((5, 6, 7)))
+    out = asyncio.run(_run(_FakeFront((5, 6, 7), abort=True), req))
+    assert len(out) == 1 and isinstance(out[0], RequestFailed)
+    assert out[0].kind is FailureKind.UNAVAILABLE
