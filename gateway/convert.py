@@ -39,6 +39,7 @@ class Delta:
     first: bool
     stop_reason: str | int | None = None
     tool_calls: tuple[ToolCallPiece, ...] = ()  # (index, id, name, arguments)
+    prompt_logprobs: list[Any] | None = None  # vLLM's, on a choice's first delta
 
 
 @dataclass
@@ -52,6 +53,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or token id matched
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's, whole
+    prompt_logprobs: list[Any] | None = None  # vLLM's format (`_vllm_prompt_logprobs`)
     chars: int = 0
     token_chars: int = 0
     utf8: codecs.IncrementalDecoder = field(
@@ -74,6 +76,8 @@ class ResponseBuilder:
         self.choices: dict[int, _Choice] = {}
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self._prompt_tokens: dict[int, int] = {}  # prompt -> its length, from its first chunk
+        # prompt -> (its token ids, their log probabilities), from its first chunk
+        self._prompt_scores: dict[int, tuple[tuple[int, ...], tuple[LogprobEntry, ...]]] = {}
         self._usages = 0  # prompts whose usage arrived
 
     def delta(self, prompt: int, chunk: Chunk) -> Delta | None:
@@ -86,18 +90,28 @@ class ResponseBuilder:
             return None
         if chunk.prompt_tokens:
             self._prompt_tokens[prompt] = chunk.prompt_tokens
+        if chunk.prompt_token_ids:
+            self._prompt_scores[prompt] = (chunk.prompt_token_ids, chunk.prompt_logprobs)
         index = prompt * self.spec.n + chunk.index
         first = index not in self.choices
         choice = self.choices.setdefault(index, _Choice())
-        if first and self.echo:  # logprobs are refused with echo: only the text changes
-            chunk = replace(chunk, text=self.echo[prompt] + chunk.text)
+        scores = self._prompt_scores.get(prompt) if first else None
+        if scores is not None and self.spec.prompt_logprobs is not None:
+            choice.prompt_logprobs = self._vllm_prompt_logprobs(*scores)
+        echo = self.echo[prompt] if first and self.echo else ""
+        if echo:  # the generated text (and its tokens' offsets) start after the prompt's
+            choice.chars = choice.token_chars = len(echo)
         logprobs = None
         if self.spec.logprobs is not None:
             logprobs = (self._chat_logprobs(chunk.logprobs) if self.chat
                         else self._completion_logprobs(choice, chunk))
+            if echo and scores is not None:  # the prompt's tokens first
+                logprobs = self._echo_logprobs(*scores, logprobs)
             for key, values in logprobs.items():
                 choice.logprobs.setdefault(key, []).extend(values)
         choice.chars += len(chunk.text)
+        if echo:
+            chunk = replace(chunk, text=echo + chunk.text)
         choice.text.append(chunk.text)
         choice.token_ids.extend(chunk.token_ids)
         choice.finish_reason = chunk.finish_reason or choice.finish_reason
@@ -109,7 +123,55 @@ class ResponseBuilder:
                                           "function": {"name": name, "arguments": ""}})
             choice.tool_calls[call_index]["function"]["arguments"] += arguments
         return Delta(index, chunk.text, chunk.token_ids, logprobs, chunk.finish_reason, first,
-                     chunk.stop_reason, chunk.tool_calls)
+                     chunk.stop_reason, chunk.tool_calls,
+                     choice.prompt_logprobs if first else None)
+
+    def _vllm_prompt_logprobs(self, token_ids: tuple[int, ...],
+                              entries: tuple[LogprobEntry, ...]) -> list[Any]:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map
+        of token id (as a string) -> {logprob, rank, decoded_token} holding the prompt's
+        token and the top alternatives asked for (rank: 1 for the most likely; null for the
+        prompt's token where it is not among the alternatives), trimmed to what this
+        request asked (the router may have computed more for echo)."""
+        k = self.spec.prompt_logprobs or 0
+        out: list[Any] = [None] if token_ids else []
+        for token_id, logprob, top in entries:
+            alternatives = top[:k]
+            ranks = {t: rank for rank, (t, _) in enumerate(alternatives, start=1)}
+            position = {str(token_id): {"logprob": logprob, "rank": ranks.get(token_id),
+                                        "decoded_token": self.texts.get(token_id)[0]}}
+            for t, value in alternatives:
+                position.setdefault(str(t), {"logprob": value, "rank": ranks[t],
+                                             "decoded_token": self.texts.get(t)[0]})
+            out.append(position)
+        return out
+
+    def _echo_logprobs(self, token_ids: tuple[int, ...],
+                       entries: tuple[LogprobEntry, ...], generated: dict[str, list[Any]]
+                       ) -> dict[str, list[Any]]:
+        """OpenAI's legacy logprobs with echo: the prompt's tokens first (the first with no
+        log probability), then the generated ones (`generated`, whose text offsets start
+        after the prompt's text). The prompt tokens' offsets count their decoded bytes."""
+        k = self.spec.logprobs or 0
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}
+        offset, decoder = 0, codecs.getincrementaldecoder("utf-8")("replace")
+        scored = [(None, ())] + [(logprob, top) for _, logprob, top in entries]
+        for token_id, (logprob, top) in zip(token_ids, scored, strict=False):
+            text, raw = self.texts.get(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            if logprob is None:
+                out["top_logprobs"].append(None)
+            else:
+                tops = {self.texts.get(i)[0]: v for i, v in top[:k]}
+                tops.setdefault(text, logprob)
+                out["top_logprobs"].append(tops)
+            out["text_offset"].append(offset)
+            offset += len(decoder.decode(bytes(raw))) if raw is not None else len(text)
+        for key in out:
+            out[key] += generated.get(key, [])
+        return out
 
     def _chat_logprobs(self, entries: tuple[LogprobEntry, ...]) -> dict[str, list[Any]]:
         content = []
@@ -172,7 +234,8 @@ class ResponseBuilder:
     def stream_chunk(self, d: Delta) -> dict[str, Any] | None:
         """The SSE chunk for a delta, or None when it carries nothing a client would see."""
         if not (d.text or d.finish_reason or d.logprobs or (self.chat and d.first)
-                or (self.spec.return_token_ids and d.token_ids)):
+                or (self.spec.return_token_ids and d.token_ids)
+                or d.prompt_logprobs is not None):
             return None
         choice: dict[str, Any] = {"index": d.index}
         if self.chat:
@@ -188,7 +251,12 @@ class ResponseBuilder:
             choice["stop_reason"] = d.stop_reason
         if self.spec.return_token_ids:
             choice["token_ids"] = list(d.token_ids)
-        return self._chunk_body(choice)
+        if d.prompt_logprobs is not None and not self.chat:
+            choice["prompt_logprobs"] = d.prompt_logprobs
+        body = self._chunk_body(choice)
+        if d.prompt_logprobs is not None and self.chat:  # vLLM's chat: on the response
+            body["prompt_logprobs"] = d.prompt_logprobs
+        return body
 
     def _chunk_body(self, choice: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {**self.head, "choices": [choice]}
@@ -233,6 +301,13 @@ class ResponseBuilder:
             out["stop_reason"] = c.stop_reason
             if self.spec.return_token_ids:
                 out["token_ids"] = c.token_ids
+            if self.spec.prompt_logprobs is not None and not self.chat:
+                out["prompt_logprobs"] = c.prompt_logprobs
             choices.append(out)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self.head, "object": obj, "choices": choices, "usage": self.usage_json()}
+        body: dict[str, Any] = {**self.head, "object": obj, "choices": choices,
+                                "usage": self.usage_json()}
+        if self.spec.prompt_logprobs is not None and self.chat:  # vLLM's: one per response
+            body["prompt_logprobs"] = next(
+                (c.prompt_logprobs for c in self.choices.values()), None)
+        return body

@@ -65,6 +65,10 @@ class GenerationSpec:
     max_tokens_field: str
     options: dict[str, Any]
     echo: bool = False  # completions: each choice's text starts with its prompt's
+    # vLLM's prompt_logprobs: alternatives per prompt position (None = none asked); with
+    # echo and logprobs the router is asked for them too (`options`), to put the prompt's
+    # tokens first in each choice's logprobs.
+    prompt_logprobs: int | None = None
     structured_field: str | None = None  # the field that constrained the output, if any
 
 
@@ -75,18 +79,18 @@ def parse_completions(body: dict[str, Any], max_prompts: int) -> GenerationSpec:
     n = f.integer("n")
     beam = _beam_search(f, n)
     logprobs = f.integer("logprobs")
-    if echo and logprobs is not None:
-        raise invalid("echo", "echo with logprobs would need the prompt's log probabilities, "
-                              "which this server does not compute; drop one of them")
     max_tokens = f.integer("max_tokens")
     options = _common_options(f)
+    prompt_logprobs = options["prompt_logprobs"]
+    if echo and logprobs is not None and logprobs >= 0:  # the prompt's tokens come first
+        options["prompt_logprobs"] = max(logprobs, prompt_logprobs or 0)
     options["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     options["beam_search"] = beam
     spec = _spec(f, Endpoint.COMPLETIONS, parse_prompts(f.raw("prompt"), max_prompts), n,
                  logprobs, "max_tokens", options)
     spec = _with_structured_output(f, spec)
     f.refuse_unknown(IGNORED_FIELDS)
-    return replace(spec, echo=echo)
+    return replace(spec, echo=echo, prompt_logprobs=prompt_logprobs)
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:
@@ -108,7 +112,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationSpec:
                  field, options)
     spec = _with_structured_output(f, spec)
     f.refuse_unknown(IGNORED_FIELDS)
-    return spec
+    return replace(spec, prompt_logprobs=options["prompt_logprobs"])
 
 
 def _spec(f: Fields, endpoint: Endpoint, prompts: tuple[Prompt, ...], n: int | None,
@@ -145,6 +149,7 @@ def _common_options(f: Fields) -> dict[str, Any]:
     options["include_stop_str_in_output"] = bool(f.boolean("include_stop_str_in_output"))
     options["skip_special_tokens"] = f.boolean("skip_special_tokens")
     options["truncate_prompt_tokens"] = f.integer("truncate_prompt_tokens")
+    options["prompt_logprobs"] = f.integer("prompt_logprobs")  # the router checks the range
     options["min_tokens"] = f.integer("min_tokens")
     options["logit_bias"] = _logit_bias(f)
     return options

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -46,10 +46,14 @@ class Chunk:
     usage: dict[str, int] | None = None
     prompt_tokens: int = 0
     stop_reason: str | int | None = None  # see GenerateResponse.stop_reason
+    # On the first chunk, with prompt_logprobs asked: entry i scores prompt token i + 1, as
+    # (token id, logprob, top alternatives) like `logprobs`.
+    prompt_logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...] = ()
     # Tool-call pieces parsed from the output, (index, id, name, arguments): a call's first
     # piece has its id and name, later ones argument text (GenerateResponse.tool_calls).
     tool_calls: tuple[ToolCallPiece, ...] = ()
     beam_score: float | None = None  # see GenerateResponse.beam_score
+    prompt_token_ids: tuple[int, ...] = ()  # on the first chunk, with prompt_logprobs asked
 
 
 @dataclass
@@ -71,6 +75,7 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, Any
                   include_stop_str_in_output: bool = False,
                   skip_special_tokens: bool | None = None,
                   truncate_prompt_tokens: int | None = None,
+                  prompt_logprobs: int | None = None,
                   tools: Sequence[dict[str, Any]] | None = None,
                   tool_choice: str | dict[str, Any] | None = None,
                   parallel_tool_calls: bool | None = None,
@@ -115,6 +120,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict[str, Any
         req.tool_choice.CopyFrom(tool_choice_to_proto(tool_choice))
     if parallel_tool_calls is not None:
         req.parallel_tool_calls = parallel_tool_calls
+    if prompt_logprobs is not None:
+        req.prompt_logprobs = prompt_logprobs
     if beam_search is not None:
         set_beam_search(req.beam_search, **beam_search)
     return req
@@ -161,20 +168,27 @@ def finish_reason_text(value: int) -> str | None:
     return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
+def _logprobs(entries: Iterable[pb.TokenLogprob]
+              ) -> tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...]:
+    return tuple((lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                 for lp in entries)
+
+
 def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
     usage = None
     if msg.HasField("usage"):
         usage = {"prompt_tokens": msg.usage.prompt_tokens,
                  "completion_tokens": msg.usage.completion_tokens,
                  "cached_prompt_tokens": msg.usage.cached_prompt_tokens}
-    logprobs = tuple((lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                     for lp in msg.logprobs)
+    logprobs = _logprobs(msg.logprobs)
     kind = msg.WhichOneof("stop_reason")
     stop_reason = None if kind is None else getattr(msg, kind)
     return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
                  finish_reason_text(msg.finish_reason), logprobs, usage, msg.prompt_tokens,
-                 stop_reason, tool_calls=tool_call_pieces(msg) if msg.tool_calls else (),
-                 beam_score=msg.beam_score if msg.HasField("beam_score") else None)
+                 stop_reason, _logprobs(msg.prompt_logprobs) if msg.prompt_logprobs else (),
+                 tool_call_pieces(msg) if msg.tool_calls else (),
+                 msg.beam_score if msg.HasField("beam_score") else None,
+                 tuple(msg.prompt_token_ids))
 
 
 class RouterClient:

@@ -11,7 +11,7 @@ from typing import Any
 from foundation.sampling_params import SamplingParams
 from foundation.structured_output import ConstraintKind, StructuredOutput
 from protos.stagemesh.v1 import inference_pb2 as pb
-from router.outputs import ChoiceDelta, RequestTiming, Usage
+from router.outputs import ChoiceDelta, RequestTiming, TokenLogprob, Usage
 from router.requests import (
     BeamSearchParams,
     ChatMessage,
@@ -26,13 +26,12 @@ from router.scheduler import FinishReason
 from router.tool_calls.types import ToolCall, ToolChoice, ToolChoiceMode, ToolSpec
 from router.validation import ValidationError
 
-_TOOL_CHOICE = {pb.TOOL_CHOICE_MODE_NONE: ToolChoiceMode.NONE,
-                pb.TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.AUTO,
-                pb.TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.REQUIRED}
-
 _EARLY_STOPPING = {pb.BEAM_EARLY_STOPPING_UNSPECIFIED: EarlyStopping.HEURISTIC,
                    pb.BEAM_EARLY_STOPPING_FINISHED: EarlyStopping.FINISHED,
                    pb.BEAM_EARLY_STOPPING_NEVER: EarlyStopping.NEVER}
+_TOOL_CHOICE = {pb.TOOL_CHOICE_MODE_NONE: ToolChoiceMode.NONE,
+                pb.TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.AUTO,
+                pb.TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.REQUIRED}
 # The one table between the router's finish reasons and the public API's.
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
@@ -134,6 +133,8 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
     if logprobs is not None and logprobs < 0:
         raise ValidationError("logprobs", f"logprobs must be >= 0, got {logprobs}")
     sampling = sampling_from_proto(msg.sampling, logprobs)
+    if msg.HasField("prompt_logprobs"):  # its range is checked with the other settings
+        sampling = replace(sampling, prompt_logprobs=msg.prompt_logprobs)
     beam = beam_from_proto(msg.beam_search) if msg.HasField("beam_search") else None
     if beam is not None and not msg.sampling.HasField("temperature"):
         sampling = replace(sampling, temperature=0.0)  # unset means 0 with beam search
@@ -161,10 +162,6 @@ def generate_from_proto(msg: pb.GenerateRequest) -> RawGenerateRequest:
 
 
 def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
-    if delta.beam_score is not None:  # a beam search's hypothesis, whole
-        out = _delta_to_proto(request_id, delta)
-        out.beam_score = delta.beam_score
-        return out
     if delta.tool_calls or delta.called_tools:  # rare: off the per-token path
         out = delta_to_proto(request_id, replace(delta, tool_calls=(), called_tools=False))
         out.tool_calls.extend(pb.ToolCallDelta(index=d.index, id=d.id, name=d.name,
@@ -172,6 +169,10 @@ def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
                               for d in delta.tool_calls)
         if delta.called_tools:
             out.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+        return out
+    if delta.beam_score is not None:  # a beam search's hypothesis, whole
+        out = _delta_to_proto(request_id, delta)
+        out.beam_score = delta.beam_score
         return out
     if delta.stop_reason is not None:  # a choice's last update: the stop string or id
         out = _delta_to_proto(request_id, delta)
@@ -181,6 +182,12 @@ def delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:
             out.stop_token_id = delta.stop_reason
         return out
     return _delta_to_proto(request_id, delta)
+
+
+def logprobs_to_proto(entries: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in entries]
 
 
 def _delta_to_proto(request_id: str, delta: ChoiceDelta) -> pb.GenerateResponse:

@@ -35,6 +35,7 @@ from router.core.messages import (
     Failed,
     FinishSeqs,
     FrontGone,
+    PromptLogprobEntry,
     Refused,
     ServedInfo,
     Shutdown,
@@ -47,6 +48,7 @@ from router.metrics import FrontMetrics
 from router.outputs import (
     ChoiceDelta,
     FailureKind,
+    PromptLogprobs,
     RequestDone,
     RequestFailed,
     StreamItem,
@@ -232,6 +234,8 @@ class Frontend:
             if state is not None and state.cached_prompt_tokens < 0:
                 state.cached_prompt_tokens = cached
                 state.scheduled = planned
+        if msg.prompt_logprobs:
+            self._on_prompt_logprobs(msg.prompt_logprobs)
         logprobs = {e.seq_id: TokenLogprob(e.token_id, e.logprob, tuple(e.top))
                     for e in msg.logprobs}
         stopped: list[int] = []
@@ -259,6 +263,25 @@ class Frontend:
             self._emit(state, delta)
         if stopped:
             self.endpoint.send(FinishSeqs(stopped, "stop"))
+
+    def _on_prompt_logprobs(self, entries: list[PromptLogprobEntry]) -> None:
+        """Collect each request's prompt log probabilities; once all its prompt positions
+        are in, they go to its stream, ahead of its first token. Positions computed again
+        (a preempted request recomputes its prompt) are not repeated."""
+        for entry in entries:
+            state = self.seq_owner.get(entry.seq_id)
+            if state is None or state.done or state.prompt_scores_sent:
+                continue
+            have = state.prompt_scores
+            skip = len(have) - (entry.start - 1)  # positions already held
+            if skip < 0:
+                continue  # a gap cannot happen: the request reads no cached prefix
+            have += (TokenLogprob(token, logprob, tuple(top))
+                     for token, logprob, top in entry.entries[skip:])
+            if len(have) >= len(state.request.prompt_token_ids) - 1:
+                state.prompt_scores_sent = True
+                state.outbox.append(PromptLogprobs(tuple(have)))
+                state.wake.set()
 
     def _emit(self, state: RequestState, delta: ChoiceDelta) -> None:
         if delta.text or delta.token_ids or delta.finish_reason is not None:

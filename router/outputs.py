@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from router.scheduler import FinishReason
@@ -83,7 +83,15 @@ class RequestFailed:
     message: str
 
 
-StreamItem = ChoiceDelta | RequestDone | RequestFailed
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A request's prompt log probabilities (it asked for them): entries[i] scores prompt
+    token i + 1 given the tokens before it. Comes before the request's first delta."""
+
+    entries: tuple[TokenLogprob, ...]
+
+
+StreamItem = ChoiceDelta | PromptLogprobs | RequestDone | RequestFailed
 
 
 def coalesce(items: Sequence[StreamItem]) -> list[StreamItem]:
@@ -94,11 +102,10 @@ def coalesce(items: Sequence[StreamItem]) -> list[StreamItem]:
         prev = out[-1] if out else None
         if isinstance(item, ChoiceDelta) and isinstance(prev, ChoiceDelta) \
                 and prev.index == item.index and prev.finish_reason is None:
-            out[-1] = ChoiceDelta(item.index, prev.text + item.text,
-                                  prev.token_ids + item.token_ids,
-                                  prev.logprobs + item.logprobs, item.finish_reason,
-                                  item.stop_reason, prev.tool_calls + item.tool_calls,
-                                  item.called_tools)
+            out[-1] = replace(item, text=prev.text + item.text,
+                              token_ids=prev.token_ids + item.token_ids,
+                              logprobs=prev.logprobs + item.logprobs,
+                              tool_calls=prev.tool_calls + item.tool_calls)
         else:
             out.append(item)
     return out

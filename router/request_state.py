@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.choice import ChoiceState
-from router.outputs import ChoiceDelta, RequestTiming, StreamItem
+from router.outputs import ChoiceDelta, RequestTiming, StreamItem, TokenLogprob
 from router.requests import GenerateRequest
 
 
@@ -32,6 +32,10 @@ class RequestState:
     scheduled: float = 0.0  # time.time() its first prefill chunk was planned (0: unknown)
     first_token: float = 0.0  # time.time() its first token came back
     first_update: float | None = None  # when its first update with tokens was queued
+    # Prompt log probabilities asked: those received so far (entry i scores prompt token
+    # i + 1), and whether the whole list went to the stream.
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)
+    prompt_scores_sent: bool = False
     last_update: float = 0.0  # when its latest one was
 
     def timing(self) -> RequestTiming:

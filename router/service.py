@@ -31,6 +31,7 @@ from router.convert import (
     add_tool_call_deltas,
     delta_to_proto,
     generate_from_proto,
+    logprobs_to_proto,
     prompt_from_proto,
     usage_to_proto,
 )
@@ -45,7 +46,7 @@ from router.errors import (
     unary_errors,
 )
 from router.frontend import Frontend
-from router.outputs import ChoiceDelta, RequestDone, RequestFailed, StreamItem
+from router.outputs import ChoiceDelta, PromptLogprobs, RequestDone, RequestFailed, StreamItem
 from router.requests import GenerateRequest
 from router.tool_calls.parsers import ToolCallFormat
 from router.validation import (
@@ -77,6 +78,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.model_name = model_name
         self.draining = False
         self.audit = audit or AuditLog(enabled=False)
+        # Beam searches running: between two steps one has no request on the front, so
+        # draining waits for these too.
+        self.beam_searches = 0
 
     def _model(self, requested: str = "") -> ServedModel:
         """The served model; UNAVAILABLE while starting, NOT_FOUND for another name."""
@@ -102,6 +106,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
         async def collect(msg: pb.GenerateResponse) -> None:
             reply.request_id = msg.request_id
+            reply.prompt_logprobs.extend(msg.prompt_logprobs)
             if msg.HasField("usage"):
                 reply.usage.CopyFrom(msg.usage)
                 reply.timing.CopyFrom(msg.timing)
@@ -146,9 +151,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 record.prompt = self.tokenizer.decode(req.prompt_token_ids,
                                                       skip_special_tokens=False)
             first_response = True
+            prompt_scores: PromptLogprobs | None = None  # for the first response
             async for items in self._stream(req, served, span):
                 for item in items:
-                    if isinstance(item, ChoiceDelta):
+                    if isinstance(item, PromptLogprobs):
+                        prompt_scores = item
+                    elif isinstance(item, ChoiceDelta):
                         if first_token and item.token_ids and span is not None:
                             first_token = False
                             _first_token(span, record.started)
@@ -156,6 +164,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                         if first_response:
                             first_response = False
                             response.prompt_tokens = len(req.prompt_token_ids)
+                            if req.sampling.prompt_logprobs is not None:
+                                response.prompt_token_ids.extend(req.prompt_token_ids)
+                            if prompt_scores is not None:
+                                response.prompt_logprobs.extend(
+                                    logprobs_to_proto(prompt_scores.entries))
                         await write(response)
                         if item.finish_reason is not None:
                             record.finish_reasons[item.index] = item.finish_reason.value
@@ -186,9 +199,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 ) -> AsyncIterator[list[StreamItem]]:
         """The request's stream: the front's, or a beam search's over the front."""
         if req.beam is not None:
-            return run_beam_search(self.front, req, self.tokenizer.special.eos_ids,
-                                   served.info.limits.max_logprobs, self.tokenizer.decode)
+            return self._beam_search(req, served)
         return self.front.submit(req, traceparent_of(span) if span is not None else "")
+
+    async def _beam_search(self, req: GenerateRequest, served: ServedModel
+                           ) -> AsyncIterator[list[StreamItem]]:
+        self.beam_searches += 1
+        try:
+            async for items in run_beam_search(
+                    self.front, req, self.tokenizer.special.eos_ids,
+                    served.info.limits.max_logprobs, self.tokenizer.decode):
+                yield items
+        finally:
+            self.beam_searches -= 1
 
     @unary_errors
     async def Tokenize(self, request: pb.TokenizeRequest,

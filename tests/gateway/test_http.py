@@ -77,7 +77,7 @@ COMPLETION_TYPES = [
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "hi", "prompt_logprobs": "2"}, "prompt_logprobs"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "logit_bias": {"one": 5}}, "logit_bias"),

@@ -139,9 +139,9 @@ def test_unknown_fields_are_refused_by_name(parse: Any) -> None:
     assert one.value.status == 400 and one.value.param == "allowed_token_ids"
     assert "allowed_token_ids" in one.value.message
     with pytest.raises(APIError) as two:
-        parse({"prompt_logprobs": 1, "guided_whitespace_pattern": " ", "temperature": 0})
-    assert two.value.param == "guided_whitespace_pattern"  # the first, by name; both named
-    assert "guided_whitespace_pattern, prompt_logprobs" in two.value.message
+        parse({"bad_words": ["x"], "guided_whitespace_pattern": " ", "temperature": 0})
+    assert two.value.param == "bad_words"  # the first, by name; both named
+    assert "bad_words, guided_whitespace_pattern" in two.value.message
     with pytest.raises(APIError) as nested:
         parse({"stream": True, "stream_options": {"include_usage": True, "extra": 1}})
     assert nested.value.param == "stream_options.extra"
