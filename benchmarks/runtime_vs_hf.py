@@ -73,7 +73,8 @@ def roofline() -> dict[str, float]:
     return {"copy_TBps": bw / 1e12, "bf16_TFLOPs": 2 * 8192**3 / (ms / 1e3) / 1e12}
 
 
-def build_models(shape: str, num_blocks: int) -> tuple[Any, StageRunner, ModelConfig]:
+def build_models(shape: str, num_blocks: int, quantization: str = "none"
+                 ) -> tuple[Any, StageRunner, ModelConfig]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def build_models(shape: str, num_blocks: int) -> tuple[Any, StageRunner, ModelCo
     layers = LayerRange(0, cfg.num_layers, True, True)
     runner = StageRunner(
         StageRunnerConfig(Path("."), layers, torch.bfloat16, torch.device("cuda"),
-                          block_size=16, num_blocks=num_blocks),
+                          block_size=16, num_blocks=num_blocks, quantization=quantization),
         cfg, weights=dict(hf.state_dict()),
     )
     return hf, runner, cfg
@@ -101,7 +102,8 @@ def _errors(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
 
 @torch.inference_mode()
 def check_logits(hf: Any, runner: StageRunner, vocab: int, prompt_len: int = 128,
-                 decode_steps: int = 16, seqs: int = 4) -> dict[str, dict[str, float]]:
+                 decode_steps: int = 16, seqs: int = 4,
+                 ours: str = "ours_bf16") -> dict[str, dict[str, float]]:
     """Ours (bf16) and HF (bf16) each against HF in fp32 on the same bf16 weights: the bf16
     tolerance is whatever HF's own bf16 forward shows against fp32."""
     import copy
@@ -116,15 +118,15 @@ def check_logits(hf: Any, runner: StageRunner, vocab: int, prompt_len: int = 128
     ref_fp32 = hf32(ids.cuda()).logits[:, rows].float()
     del hf32
     torch.cuda.empty_cache()
-    ours = [runner.execute([SeqChunk(i, 0, prompt_len, tables[i]) for i in range(seqs)],
-                           ids[:, :prompt_len].reshape(-1))]
+    steps = [runner.execute([SeqChunk(i, 0, prompt_len, tables[i]) for i in range(seqs)],
+                            ids[:, :prompt_len].reshape(-1))]
     for k in range(decode_steps - 1):
         pos = prompt_len + k
-        ours.append(runner.execute([SeqChunk(i, pos, 1, tables[i]) for i in range(seqs)],
-                                   ids[:, pos]))
-    got = torch.stack(ours, dim=1)  # [seqs, steps, V]
-    return {"ours_bf16_vs_hf_bf16": _errors(got, ref_bf16),
-            "ours_bf16_vs_hf_fp32": _errors(got, ref_fp32),
+        steps.append(runner.execute([SeqChunk(i, pos, 1, tables[i]) for i in range(seqs)],
+                                    ids[:, pos]))
+    got = torch.stack(steps, dim=1)  # [seqs, steps, V]
+    return {f"{ours}_vs_hf_bf16": _errors(got, ref_bf16),
+            f"{ours}_vs_hf_fp32": _errors(got, ref_fp32),
             "hf_bf16_vs_hf_fp32": _errors(ref_bf16, ref_fp32)}
 
 
@@ -194,12 +196,16 @@ def main() -> None:
     ap.add_argument("--ours-only", action="store_true",
                     help="time only our decode step (graphs), no HF timing or logit checks "
                          "(the per-token floor a mesh run is compared with)")
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                    help="our runner's projections in e4m3 (kernels.fp8_linear); with "
+                         "--ours-only the logits are also checked against HF's")
     ap.add_argument("--prefill", default="8x512,1x4096",
                     help="with --ours-only: prefill steps to time, SEQSxTOKENS,... "
                          "(reported against the matmul rate, linear layers' FLOPs)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = {"shape": args.shape, "dtype": "bfloat16", "stages": 1, "tp": 1,
+              "quantization": args.quantization,
               "context": args.ctx,
               "kernels": ("Triton paged attention, CUDA graphs for decode; torch reference "
                           "for the rest" if PLATFORM.use_triton else
@@ -212,7 +218,8 @@ def main() -> None:
     print(f"roofline: {roof}")
     # Every decode case's sequences at once (the logit check needs far fewer blocks).
     per_seq = -(-(args.ctx + 2 * args.steps + 8) // 16)
-    hf, runner, cfg = build_models(args.shape, num_blocks=max(64 * 48, max(batches) * per_seq))
+    hf, runner, cfg = build_models(args.shape, num_blocks=max(64 * 48, max(batches) * per_seq),
+                                   quantization=args.quantization)
     print(f"models built in {time.monotonic() - t0:.0f}s")
     if args.ours_only:
         ours_only(args, config, roof, hf, runner, cfg)
@@ -272,7 +279,12 @@ def linear_flops_per_token(hf: Any) -> float:
 
 def ours_only(args: argparse.Namespace, config: dict[str, Any], roof: dict[str, float],
               hf: Any, runner: StageRunner, cfg: ModelConfig) -> None:
-    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    # What the runner streams per decode step (e4m3 projections with --quantization fp8).
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    if args.quantization != "none":
+        config = {**config, "logits_vs_hf": check_logits(hf, runner, cfg.vocab_size,
+                                                         ours=f"ours_{args.quantization}")}
+        print(f"logits vs HF: {config['logits_vs_hf']}")
     rows: list[dict[str, Any]] = []
     flops = linear_flops_per_token(hf)
     for seqs, length in ((int(a), int(b)) for a, b in

@@ -36,7 +36,8 @@ def _llama(cfg: StageConfig, model_cfg: ModelConfig, shape: StageShape,
         cfg.model_dir, shape.layers, shape.dtype, shape.device, cfg.block_size, cfg.num_blocks,
         cfg.kv_cache_bytes, cfg.gpu_memory_utilization,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        max_held_seqs=cfg.max_num_seqs * cfg.num_stages, cuda_graphs=not cfg.enforce_eager)
+        max_held_seqs=cfg.max_num_seqs * cfg.num_stages, cuda_graphs=not cfg.enforce_eager,
+        quantization=cfg.quantization)
     return StageRunner(runner_cfg, model_cfg, tp)
 
 

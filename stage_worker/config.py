@@ -10,6 +10,7 @@ from stage_worker.dataplane.compression import CHOICES as COMPRESSION_CHOICES
 
 MODEL_IMPLS = ("auto", "llama", "null")
 TRANSPORT_CHOICES = ("auto", "tcp", "cuda_ipc")
+QUANTIZATION_CHOICES = ("none", "fp8")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class StageConfig:
             the standard environment's, else no tracing.
         step_timeout_s: longest wait for a step's activations from upstream.
         enforce_eager: never replay CUDA graphs for decode steps (debugging, A/B runs).
+        quantization: "none", or "fp8": the decoder layers' projections stored as e4m3
+            with per-output-feature scales after loading (`kernels.fp8_linear`; the FP8
+            kernels need a CUDA device of compute capability 8.9 or more, elsewhere the
+            torch reference runs: memory saved, no speed).
         activation_compression: the form of the activations this stage sends downstream:
             "none", "bf16", "fp16" or "int8" (`stage_worker.dataplane.compression`).
         transport: the data-plane transports the stage offers for activation links: "auto"
@@ -83,6 +88,7 @@ class StageConfig:
     tp_init_port: int = 0
     step_timeout_s: float = 60.0
     enforce_eager: bool = False
+    quantization: str = "none"
     activation_compression: str = "none"
     transport: str = "auto"
     dataplane_tls_cert: str = ""
@@ -114,6 +120,9 @@ class StageConfig:
         if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got "
                              f"{self.transport!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got "
                              f"{self.model_impl!r}")

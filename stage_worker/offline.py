@@ -49,6 +49,7 @@ class LocalPipelineConfig:
     block_size: int = 16
     num_blocks: int = 256
     layer_override: tuple[int, ...] | None = None
+    quantization: str = "none"  # or "fp8" (`StageRunnerConfig.quantization`)
 
 
 class LocalPipeline:
@@ -62,7 +63,8 @@ class LocalPipeline:
         ranges = partition_layers(self.model_cfg.num_layers, cfg.num_stages, cfg.layer_override)
         self.stages = [
             StageRunner(StageRunnerConfig(cfg.model_dir, r, cfg.dtype, cfg.device,
-                                          cfg.block_size, cfg.num_blocks), self.model_cfg, tp)
+                                          cfg.block_size, cfg.num_blocks,
+                                          quantization=cfg.quantization), self.model_cfg, tp)
             for r in ranges
         ]
 

@@ -46,6 +46,8 @@ class StageRunnerConfig:
     `stage_worker.block_tables`); default `max_num_seqs`.
     cuda_graphs: capture decode steps (see `stage_worker.cuda_graphs`) for batches up to
     `max_num_seqs` (at most MAX_GRAPH_BATCH; larger ones run eagerly); off = always eager.
+    quantization: "none" or "fp8" (the projections' weights in e4m3 once loaded, before the
+    pool is sized: `LlamaStageModel.quantize_fp8`).
     """
 
     model_dir: Path
@@ -60,6 +62,7 @@ class StageRunnerConfig:
     max_num_seqs: int = 256
     max_held_seqs: int | None = None
     cuda_graphs: bool = True  # decode steps replay CUDA graphs where supported
+    quantization: str = "none"
 
 
 class StageRunner(ModelRunner):
@@ -86,6 +89,10 @@ class StageRunner(ModelRunner):
         else:
             load_stage_weights_from_tensors(self.model, weights, model_cfg.tie_word_embeddings)
         self.model.eval()
+        if cfg.quantization == "fp8":
+            self.model.quantize_fp8()
+            if cfg.device.type == "cuda":
+                torch.cuda.empty_cache()  # the bf16 weights' memory, for the pool's sizing
         scaling = model_cfg.rope_scaling
         self.inv_freq = rope_inv_freq(  # on the device: each step's rope is computed there
             model_cfg.head_dim, model_cfg.rope_theta,

@@ -127,6 +127,7 @@ def _add_stage(commands: SubParsers) -> None:
     _add_metrics_port_arg(p, "STAGEMESH_STAGE_METRICS_PORT", "")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode steps")
+    _add_quantization_arg(p)
     _add_compression_arg(p)
     p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc"),
                    help="data-plane transports this stage offers for activations: auto (tcp, "
@@ -169,6 +170,14 @@ def _dataplane_tls(args: argparse.Namespace) -> tuple[str, str, str]:
     except ValueError as e:
         raise SystemExit(f"stagemesh stage: {e}") from None
     return str(args.tls_cert), str(args.tls_key), str(args.dataplane_tls_ca)
+
+
+def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                   help="fp8: the decoder layers' projections stored as e4m3 with one scale "
+                        "per output feature (half the weight memory and bytes per decode "
+                        "step; FP8 kernels on CUDA devices of compute capability 8.9+, the "
+                        "torch reference elsewhere; docs/BENCHMARKS.md states its accuracy)")
 
 
 def _add_compression_arg(p: argparse.ArgumentParser) -> None:
@@ -214,7 +223,8 @@ def _stage(args: argparse.Namespace) -> int:
         host=args.host, port=args.port,
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
-        enforce_eager=args.enforce_eager, activation_compression=args.activation_compression,
+        enforce_eager=args.enforce_eager, quantization=args.quantization,
+        activation_compression=args.activation_compression,
         transport=args.transport, dataplane_tls_cert=tls_cert, dataplane_tls_key=tls_key,
         dataplane_tls_ca=tls_ca, standby=args.standby, metrics_port=args.metrics_port,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -385,6 +395,7 @@ def _add_serve(commands: SubParsers) -> None:
     _add_model_impl_arg(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="stages never replay CUDA graphs for decode steps")
+    _add_quantization_arg(p)
     _add_compression_arg(p)
     _add_router_args(p)
     p.set_defaults(handler=_serve)

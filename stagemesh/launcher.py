@@ -132,6 +132,8 @@ def _stage_flags(args: argparse.Namespace, device: str, stages_on_device: int) -
         flags += ["--kv-cache-gb", str(args.kv_cache_gb)]
     if args.enforce_eager:
         flags.append("--enforce-eager")
+    if args.quantization != "none":
+        flags += ["--quantization", args.quantization]
     if args.activation_compression != "none":
         flags += ["--activation-compression", args.activation_compression]
     if device.startswith("cuda"):  # stages sharing a GPU split its memory

@@ -3,6 +3,9 @@
 Weights are stored [out_features_this_rank, in_features_this_rank] as in nn.Linear.
 Column parallel: output features sharded, no communication. Row parallel: input features
 sharded, partial sums all-reduced (bias added once, after the reduce).
+
+`quantize_fp8()` (after loading) stores a layer's weight as float8_e4m3fn with one scale
+per output feature (`kernels.fp8_linear`); its matmuls then run the fp8 kernels.
 """
 
 from __future__ import annotations
@@ -11,11 +14,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_linear import fp8_linear, quantize_weight
 from stage_worker.layers.weights import WeightSource, copy_checked
 from stage_worker.parallel import HeadShard, TPGroup, shard_range
 
 
-class ColumnParallelLinear(nn.Module):
+class LinearLayer(nn.Module):
+    """What every linear layer shares: its weight [out, in] and, once `quantize_fp8` ran,
+    the weight in e4m3 with its per-output-feature scales."""
+
+    weight: nn.Parameter
+    fp8_scale: torch.Tensor | None = None  # [out] fp32, set by quantize_fp8
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fp8_scale is not None:
+            return fp8_linear(x, self.weight, self.fp8_scale, bias)
+        return F.linear(x, self.weight, bias)
+
+    def quantize_fp8(self) -> None:
+        """Replace the loaded weight by its e4m3 form (the original is freed)."""
+        q, scale = quantize_weight(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.fp8_scale = scale
+
+
+class ColumnParallelLinear(LinearLayer):
     """y[:, shard] = x @ W[shard].T (+ b[shard]). Output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
@@ -29,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
         param = self.weight if name.endswith("weight") else self.bias
@@ -37,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param, src[self.out_start:self.out_end], name)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearLayer):
     """y = all_reduce(x[:, shard] @ W[:, shard].T) (+ b). Input arrives sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
@@ -53,7 +76,7 @@ class RowParallelLinear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self._matmul(x))
         return y if self.bias is None else y + self.bias
 
     def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
@@ -64,7 +87,7 @@ class RowParallelLinear(nn.Module):
             copy_checked(self.weight, src[:, self.in_start:self.in_end], name)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(LinearLayer):
     """Fused q/k/v projection; output [q heads | k heads | v heads] of this rank's shard.
 
     Heads are assigned by `shard_heads`: KV heads split across ranks (unevenly when they
@@ -90,7 +113,7 @@ class QKVParallelLinear(nn.Module):
         return self.heads.num_kv * self.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
         d, h = self.head_dim, self.heads
@@ -107,7 +130,7 @@ class QKVParallelLinear(nn.Module):
         copy_checked(param[offset:offset + n], src[rows[0]:rows[1]], name)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(LinearLayer):
     """Several column-parallel outputs fused into one matmul (gate and up projections)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup,
@@ -121,7 +144,7 @@ class MergedColumnParallelLinear(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self._matmul(x)
 
     def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
         assert isinstance(shard, int), f"{name}: merged shard index required"

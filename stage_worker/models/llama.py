@@ -15,7 +15,11 @@ from kernels.activation import silu_and_mul
 from stage_worker.forward_context import ForwardContext
 from stage_worker.layers.attention import PagedSelfAttention
 from stage_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from stage_worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from stage_worker.layers.linear import (
+    LinearLayer,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from stage_worker.layers.norm import RMSNorm
 from stage_worker.parallel import TPGroup
 from stage_worker.partition import LayerRange
@@ -93,6 +97,13 @@ class LlamaStageModel(nn.Module):
         for layer, kv in zip(self.model.layers.values(), kv_caches, strict=True):
             x = layer(x, kv, ctx)
         return self.model.norm(x) if self.model.norm is not None else x
+
+    def quantize_fp8(self) -> None:
+        """Every decoder layer's projections to e4m3 weights with per-output-feature scales
+        (`kernels.fp8_linear`); the embedding, the norms and the LM head keep their dtype."""
+        for module in self.model.modules():
+            if isinstance(module, LinearLayer):
+                module.quantize_fp8()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "logits are computed on the last stage only"

@@ -1,0 +1,103 @@
+"""Triton kernels of the fp8 linear layers (`kernels.fp8_linear` states the contract and
+holds the references). The e4m3 tensors are passed as their bytes (uint8 views) and
+bitcast in the kernels, which Triton's interpreter also runs exactly."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_format import FP8, FP8_MAX, SKINNY_ROWS
+
+# Columns and reduction depth per program of the weight-streaming kernel: 32 output
+# columns keep enough programs for the card at llama3-8b's smallest projection (4,096
+# columns: 128 programs), 256-deep tiles keep the loads wide.
+SKINNY_BLOCK_N = 32
+SKINNY_BLOCK_K = 256
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_skinny_kernel(X, Q, S, Y, M, N, K, stride_xm, stride_qn, stride_ym,
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN: tl.constexpr):
+    """Y[:M, n-block] = (X[:M] @ Q[n-block].T) * S[n-block]: e4m3 weights widened in
+    registers, fp32 accumulation, the row scales applied once at the end."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, ROWS)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    q_ptr = Q + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :]
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0
+            w = tl.load(q_ptr)
+            x = tl.load(x_ptr, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = (k * BLOCK_K + offs_k) < K
+            w = tl.load(q_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        # e4m3 and bf16/fp16 values are exact in tf32 (3 and 7/10 mantissa bits against
+        # 10), so the tf32 tensor-core products are exact; the sums are fp32.
+        w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="tf32")
+        x_ptr += BLOCK_K
+        q_ptr += BLOCK_K
+    scale = tl.load(S + offs_n, mask=n_ok, other=0.0)
+    y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptr, (acc * scale[None, :]).to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= SKINNY_ROWS, bf16/fp16, rows contiguous), q [N, K] e4m3 contiguous,
+    scale [N] fp32 -> [M, N] in x's dtype (`fp8_linear_ref` without the bias)."""
+    m, k = x.shape
+    n = q.shape[0]
+    assert m <= SKINNY_ROWS and x.stride(1) == 1 and q.is_contiguous() and q.dtype == FP8
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    even = n % SKINNY_BLOCK_N == 0 and k % SKINNY_BLOCK_K == 0
+    _fp8_skinny_kernel[(triton.cdiv(n, SKINNY_BLOCK_N),)](
+        x, q.view(torch.uint8), scale, out, m, n, k, x.stride(0), q.stride(0), out.stride(0),
+        ROWS=SKINNY_ROWS, BLOCK_N=SKINNY_BLOCK_N, BLOCK_K=SKINNY_BLOCK_K, EVEN=even,
+        num_warps=4, num_stages=4)
+    return out
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, stride_x, stride_q, n_cols, fp8_max,
+                          BLOCK: tl.constexpr):
+    """One program per row: its largest magnitude sets its scale; the row divided by it
+    is stored as e4m3."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        x = tl.load(X + row * stride_x + start + offs, mask=start + offs < n_cols, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / fp8_max
+    tl.store(S + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + offs < n_cols
+        x = tl.load(X + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        q = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # e4m3 bytes
+        tl.store(Q + row * stride_q + start + offs, q, mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_ref` on the GPU: x [M, K] rows contiguous -> (e4m3 [M, K], [M] fp32)."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q.view(torch.uint8), scale, x.stride(0), q.stride(0),
+                                    k, FP8_MAX,
+                                    BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=4)
+    return q, scale
