@@ -172,12 +172,13 @@ class FrontServer:
         self.update_readiness()
 
     async def drain(self, deadline: float, give_up: Callable[[], bool] = lambda: False) -> None:
-        """Refuse new work and wait until the in-flight requests finish, the loop time
-        passes `deadline` or `give_up()` (the core is gone); then end the rest with
-        UNAVAILABLE."""
+        """Refuse new work and wait until the in-flight requests (beam searches included)
+        finish, the loop time passes `deadline` or `give_up()` (the core is gone); then end
+        the rest with UNAVAILABLE."""
         self.start_draining()
         loop = asyncio.get_running_loop()
-        while self.front.requests and loop.time() < deadline and not give_up():
+        while (self.front.requests or self.servicer.beam_searches) \
+                and loop.time() < deadline and not give_up():
             await asyncio.sleep(DRAIN_POLL_S)
         self.front.fail_all(FailureKind.UNAVAILABLE, "server stopping")
 
