@@ -126,6 +126,7 @@ def test_grpc_errors_name_the_field_and_the_limit(
         ({"beam_search": {}, "temperature": 0.5}, "temperature", "0.5"),
         ({"beam_search": {}, "stop": ["."]}, "stop", "beam search"),
         ({"beam_search": {}, "logprobs": 2}, "logprobs", "beam search"),
+        ({"beam_search": {}, "prompt_logprobs": 1}, "prompt_logprobs", "beam search"),
         ({"beam_search": {}, "min_tokens": 2}, "min_tokens", "beam search"),
         ({"beam_search": {}, "structured_output": ("regex", "a+")}, "structured_output",
          "beam search"),
