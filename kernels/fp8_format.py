@@ -7,4 +7,4 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
-SKINNY_ROWS = 16  # up to this many rows, the weight-streaming kernel
+SKINNY_ROWS = 64  # the most rows the weight-streaming kernel takes (a 64-row tile)

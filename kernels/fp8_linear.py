@@ -7,7 +7,7 @@ each row's largest magnitude maps to e4m3's largest, 448), and
     fp8_linear(x [M, K], q, scale, bias) = x @ (q * scale[:, None]).T + bias   in x's dtype,
 
 the weights alone quantized (W8A16). On CUDA, with Triton:
-- M <= SKINNY_ROWS (decode batches; the step streams the weights): a Triton kernel reads
+- M <= STREAMING_ROWS (small decode batches; the step streams the weights): a kernel reads
   the e4m3 weights, widens them in registers and applies the row scales after the fp32
   accumulation (`fp8_linear_triton`): the reference's numerics up to summation order, half
   the bytes of a bf16 weight;
@@ -26,8 +26,12 @@ import torch.nn.functional as F
 from kernels.fp8_format import FP8, FP8_MAX, SKINNY_ROWS
 from kernels.platform import PLATFORM
 
-__all__ = ["FP8", "FP8_MAX", "SKINNY_ROWS", "fp8_linear", "fp8_linear_ref",
+__all__ = ["FP8", "FP8_MAX", "SKINNY_ROWS", "STREAMING_ROWS", "fp8_linear", "fp8_linear_ref",
            "fp8_linear_w8a8_ref", "quantize_rows_ref", "quantize_weight"]
+
+# Up to this many rows the weight-streaming kernel runs, above it `_scaled_mm`
+# (`benchmarks.fp8_gemm` on the H200: the kernel is ahead at 16 rows, docs/BENCHMARKS.md).
+STREAMING_ROWS = 16
 
 _TINY = 1e-12  # a zero row's scale: any positive value keeps its zeros exact
 
@@ -72,7 +76,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         return fp8_linear_ref(x, q, scale, bias)
     from kernels.fp8_linear_triton import fp8_linear_triton, quantize_rows_triton
 
-    if x.shape[0] <= SKINNY_ROWS:
+    if x.shape[0] <= STREAMING_ROWS:
         y = fp8_linear_triton(x, q, scale)
     else:
         xq, xs = quantize_rows_triton(x)

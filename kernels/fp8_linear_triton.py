@@ -4,17 +4,35 @@ bitcast in the kernels, which Triton's interpreter also runs exactly."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.fp8_format import FP8, FP8_MAX, SKINNY_ROWS
 
-# Columns and reduction depth per program of the weight-streaming kernel: 32 output
-# columns keep enough programs for the card at llama3-8b's smallest projection (4,096
-# columns: 128 programs), 256-deep tiles keep the loads wide.
-SKINNY_BLOCK_N = 32
-SKINNY_BLOCK_K = 256
+
+@dataclass(frozen=True)
+class SkinnyLaunch:
+    """One launch of the weight-streaming kernel: output columns and reduction depth per
+    program, warps, pipeline stages."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+DEFAULT_LAUNCH = SkinnyLaunch()
+# llama3-8b's projections on the H200 (`benchmarks.fp8_gemm`): 64 columns per program and 3
+# stages where the weight has 6,144 rows or more, 32 and 4 below.
+WIDE_LAUNCH = SkinnyLaunch(block_n=64, num_stages=3)
+
+
+def skinny_launch(n: int) -> SkinnyLaunch:
+    """The launch for a weight of `n` output features."""
+    return WIDE_LAUNCH if n >= 6144 else DEFAULT_LAUNCH
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -52,20 +70,23 @@ def _fp8_skinny_kernel(X, Q, S, Y, M, N, K, stride_xm, stride_qn, stride_ym,
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                      launch: SkinnyLaunch | None = None) -> torch.Tensor:
     """x [M, K] (M <= SKINNY_ROWS, bf16/fp16, rows contiguous), q [N, K] e4m3 contiguous,
-    scale [N] fp32 -> [M, N] in x's dtype (`fp8_linear_ref` without the bias)."""
+    scale [N] fp32 -> [M, N] in x's dtype (`fp8_linear_ref` without the bias). The rows are
+    padded to a tile of 16, 32 or 64 (tl.dot's smallest is 16)."""
     m, k = x.shape
     n = q.shape[0]
     assert m <= SKINNY_ROWS and x.stride(1) == 1 and q.is_contiguous() and q.dtype == FP8
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    even = n % SKINNY_BLOCK_N == 0 and k % SKINNY_BLOCK_K == 0
-    _fp8_skinny_kernel[(triton.cdiv(n, SKINNY_BLOCK_N),)](
+    lc = launch or skinny_launch(n)
+    even = n % lc.block_n == 0 and k % lc.block_k == 0
+    _fp8_skinny_kernel[(triton.cdiv(n, lc.block_n),)](
         x, q.view(torch.uint8), scale, out, m, n, k, x.stride(0), q.stride(0), out.stride(0),
-        ROWS=SKINNY_ROWS, BLOCK_N=SKINNY_BLOCK_N, BLOCK_K=SKINNY_BLOCK_K, EVEN=even,
-        num_warps=4, num_stages=4)
+        ROWS=max(16, triton.next_power_of_2(m)), BLOCK_N=lc.block_n, BLOCK_K=lc.block_k,
+        EVEN=even, num_warps=lc.num_warps, num_stages=lc.num_stages)
     return out
 
 
@@ -80,12 +101,13 @@ def _quantize_rows_kernel(X, Q, S, stride_x, stride_q, n_cols, fp8_max,
     for start in range(0, n_cols, BLOCK):
         x = tl.load(X + row * stride_x + start + offs, mask=start + offs < n_cols, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / fp8_max
+    # IEEE-rounded divisions (Triton's `/` is approximate), as the reference's torch ones
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), fp8_max)
     tl.store(S + row, scale)
     for start in range(0, n_cols, BLOCK):
         mask = start + offs < n_cols
         x = tl.load(X + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
         q = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # e4m3 bytes
         tl.store(Q + row * stride_q + start + offs, q, mask=mask)
 

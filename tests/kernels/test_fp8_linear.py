@@ -81,7 +81,7 @@ def test_skinny_kernel_in_the_interpreter() -> None:
 
 @pytest.mark.gpu
 def test_skinny_kernel_on_cuda() -> None:
-    shapes = SMALL + tuple((m, n, k) for m in (1, 16) for n, k in LLAMA)
+    shapes = SMALL + tuple((m, n, k) for m in (1, 16, 64) for n, k in LLAMA)
     check_skinny("cuda", shapes, (torch.bfloat16, torch.float16))
 
 
