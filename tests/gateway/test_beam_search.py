@@ -54,7 +54,9 @@ def _assert_hf(case: BeamCase, ids: list[list[int]], scores: list[float]) -> Non
     assert scores == sorted(scores, reverse=True)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+# Over gRPC the case with early stopping; the other two run through the gateway below (and
+# all three against HF in process: tests/router/test_beam_search.py).
+@pytest.mark.parametrize("case", CASES[2:], ids=str)
 def test_grpc_beams_are_hf_beams(mesh: Mesh, case: BeamCase) -> None:
     got = asyncio.run(_grpc_beams(mesh.address, case))
     _assert_hf(case, [ids for ids, _, _ in got], [score for _, score, _ in got])
