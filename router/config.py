@@ -59,8 +59,9 @@ class RouterConfig:
         audit_log_content: put the prompt and output text in those lines (the users' data:
             off unless asked for).
         transport: the data-plane transport of each hop between stages: "auto" (CUDA IPC
-            between two stages on one host that both offer it, falling back to TCP for a
-            hop where that link fails; TCP elsewhere), "tcp", or "cuda_ipc" (every hop; the
+            between two stages on one host that both offer it, NCCL between GPU stages on
+            different hosts that both offer it, falling back to TCP for a hop where that
+            link fails; TCP elsewhere), "tcp", "cuda_ipc" or "nccl" (every hop; the
             pipeline does not come up while a hop cannot have it). The feedback link (last
             stage -> first stage) is always TCP.
         standby_stages: host:port of standby stages (`stagemesh stage --standby`), used in

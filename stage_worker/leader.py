@@ -34,7 +34,13 @@ from stage_worker.dataplane.compression import (
 )
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
 from stage_worker.host_transfer import host_tensor
-from stage_worker.links import DataPlaneAddress, DataPlaneLinks, offered_transports, ring_config
+from stage_worker.links import (
+    DataPlaneAddress,
+    DataPlaneLinks,
+    nccl_device,
+    offered_transports,
+    ring_config,
+)
 from stage_worker.metrics import StageMetrics, StepWindow
 from stage_worker.plan import PromptLogprobs, SampledToken, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
@@ -64,8 +70,9 @@ class StageLeader:
                  dataplane_config: DataPlaneConfig | None = None) -> None:
         """`dataplane`: where the listeners bind (default: the router's name).
         `compression`: the form of the activations sent downstream (the receiver reads any).
-        `transport`: what the stage offers for activation links ("auto", "tcp", "cuda_ipc";
-        see `offered_transports`). Raises ValueError where "cuda_ipc" cannot work.
+        `transport`: what the stage offers for activation links ("auto", "tcp", "cuda_ipc",
+        "nccl"; see `offered_transports`). Raises ValueError where the one asked for cannot
+        work.
         `dataplane_config`: the links' limits and TLS (default: plaintext, default limits)."""
         self.rank = rank
         self.step_timeout_s = step_timeout_s
@@ -73,12 +80,14 @@ class StageLeader:
         self.feedback = FeedbackStore()  # first stage: the run-ahead inputs
         inbox = FeedbackInbox(self.feedback)
         shape = rank.shape
-        ring = None if transport == "tcp" else ring_config(
+        ring = None if transport in ("tcp", "nccl") else ring_config(
             shape.device, rank.limits.max_num_batched_tokens, shape.hidden_size, shape.dtype)
-        self.transports = offered_transports(transport, ring)
+        tls = dataplane_config is not None and dataplane_config.tls is not None
+        nccl = nccl_device(shape.device, transport, tls)
+        self.transports = offered_transports(transport, ring, nccl)
         self.links = DataPlaneLinks(dataplane or DataPlaneAddress(), step_timeout_s,
                                     on_feedback=inbox.attach, ring=ring,
-                                    config=dataplane_config)
+                                    config=dataplane_config, nccl_device=nccl)
         self._pending: _Sampling | None = None  # `step_overlapped`: sampled, not resolved
         self.steps_overlapped = 0  # steps queued on the GPU before the previous one resolved
         self.window = StepWindow()  # the last seconds of steps, for Describe

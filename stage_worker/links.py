@@ -29,6 +29,7 @@ from stage_worker.dataplane import (
 )
 from stage_worker.dataplane.cuda_ipc import unavailable_reason
 from stage_worker.dataplane.cuda_ipc_slots import TENSOR_ALIGN, RingConfig
+from stage_worker.dataplane.nccl_backend import unavailable_reason as nccl_unavailable_reason
 from stage_worker.dataplane.wire import MAX_TENSORS
 
 log = logging.getLogger("stagemesh.stage")
@@ -85,18 +86,21 @@ class DataPlaneLinks:
     router re-linked after a restart) drops the links of the previous one.
 
     `on_feedback` is called with each feedback link the first stage accepts (it starts a
-    thread that drains it). Activation links are ``tcp`` or, where `ring` is given (the
-    stage's device and its largest step's activations), ``cuda_ipc``: the router names the
-    kind per hop in ``Connect``. The feedback link is always ``tcp`` (a few host integers).
+    thread that drains it). Activation links are ``tcp``, ``cuda_ipc`` where `ring` is
+    given (the stage's device and its largest step's activations), or ``nccl`` where
+    `nccl_device` is (the stage's device, with NCCL available): the router names the kind
+    per hop in ``Connect``. The feedback link is always ``tcp`` (a few host integers).
     """
 
     def __init__(self, address: DataPlaneAddress, timeout_s: float,
                  on_feedback: Callable[[Transport], None] | None = None,
                  ring: RingConfig | None = None,
-                 config: DataPlaneConfig | None = None) -> None:
+                 config: DataPlaneConfig | None = None,
+                 nccl_device: torch.device | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.ring = ring
+        self.nccl_device = nccl_device
         self.config = config or DataPlaneConfig()  # limits, TLS
         self.upstream_kind: TransportKind | None = None  # of the links of this epoch
         self.downstream_kind: TransportKind | None = None
@@ -198,8 +202,9 @@ class DataPlaneLinks:
             if inbound.listener is not None:
                 inbound.listener.close()
                 inbound.listener = None
+        ring, device = self._ends_for(kind)
         listener = open_listener(LinkSpec(kind, bind, self.address.port, token),
-                                 config=self.config, ring=self._ring_for(kind))
+                                 config=self.config, ring=ring, device=device)
         inbound.listener = listener
         inbound.ready.clear()
         threading.Thread(target=self._accept, args=(inbound, listener, epoch), daemon=True,
@@ -211,17 +216,21 @@ class DataPlaneLinks:
                  kind: TransportKind = TransportKind.TCP) -> Transport:
         self._new_epoch(epoch)
         host, _, port = address.rpartition(":")
-        ring = self._ring_for(kind)
-        device = None if ring is None else ring.device
+        ring, device = self._ends_for(kind)
+        if ring is not None:
+            device = ring.device
         return open_link(LinkSpec(kind, host.strip("[]"), int(port), token),
                          timeout_s=self.timeout_s, config=self.config, device=device)
 
-    def _ring_for(self, kind: TransportKind) -> RingConfig | None:
-        """The ring a ``cuda_ipc`` link needs; ValueError where this stage offers none."""
+    def _ends_for(self, kind: TransportKind) -> tuple[RingConfig | None, torch.device | None]:
+        """(the ring a ``cuda_ipc`` link needs, the device an ``nccl`` link needs);
+        ValueError where this stage offers no such link."""
         if kind is TransportKind.TCP:
-            return None
+            return None, None
         if kind is TransportKind.CUDA_IPC and self.ring is not None:
-            return self.ring
+            return self.ring, None
+        if kind is TransportKind.NCCL and self.nccl_device is not None:
+            return None, self.nccl_device
         raise ValueError(f"this stage does not offer the {kind.value} transport")
 
     def _accept(self, inbound: _Inbound, listener: LinkListener, epoch: int) -> None:
@@ -255,12 +264,14 @@ class DataPlaneLinks:
             self._feedback_in.drop()
 
 
-def offered_transports(choice: str, ring: RingConfig | None) -> tuple[TransportKind, ...]:
-    """What a stage configured with transport `choice` ("auto", "tcp", "cuda_ipc") offers
-    for activation links, given the `ring` it could receive into (None: no CUDA IPC here).
+def offered_transports(choice: str, ring: RingConfig | None,
+                       nccl_device: torch.device | None = None) -> tuple[TransportKind, ...]:
+    """What a stage configured with transport `choice` ("auto", "tcp", "cuda_ipc", "nccl")
+    offers for activation links, given the `ring` it could receive into (None: no CUDA IPC
+    here) and its `nccl_device` (None: no NCCL here; see `nccl_device`).
 
     Raises:
-        ValueError: "cuda_ipc" was asked for where it cannot work.
+        ValueError: "cuda_ipc" or "nccl" was asked for where it cannot work.
     """
     if choice == "tcp":
         return (TransportKind.TCP,)
@@ -268,7 +279,31 @@ def offered_transports(choice: str, ring: RingConfig | None) -> tuple[TransportK
         if ring is None:
             raise ValueError("--transport cuda_ipc needs a CUDA device and cupy on the stage")
         return (TransportKind.CUDA_IPC,)
-    return (TransportKind.TCP,) + ((TransportKind.CUDA_IPC,) if ring is not None else ())
+    if choice == "nccl":
+        if nccl_device is None:
+            raise ValueError("--transport nccl needs a CUDA device and cupy with NCCL on the "
+                             "stage")
+        return (TransportKind.NCCL,)
+    return ((TransportKind.TCP,) + ((TransportKind.CUDA_IPC,) if ring is not None else ())
+            + ((TransportKind.NCCL,) if nccl_device is not None else ()))
+
+
+def nccl_device(device: torch.device, choice: str, tls: bool) -> torch.device | None:
+    """`device` where a stage configured with transport `choice` offers ``nccl`` on it,
+    else None (logged where it could have). With data-plane TLS, "auto" does not offer it:
+    NCCL does not encrypt, and a stage given TLS expects its activations encrypted between
+    hosts ("nccl" asked for explicitly still offers it)."""
+    if choice not in ("auto", "nccl"):
+        return None
+    if choice == "auto" and tls:
+        log.info("data plane: nccl not offered under auto with data-plane TLS (NCCL does "
+                 "not encrypt; --transport nccl offers it)")
+        return None
+    reason = nccl_unavailable_reason(device)
+    if reason is not None:
+        log.info("data plane: nccl not offered (%s)", reason)
+        return None
+    return device
 
 
 def ring_config(device: torch.device, max_tokens: int, hidden_size: int,

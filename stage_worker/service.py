@@ -28,7 +28,8 @@ log = logging.getLogger("stagemesh.stage")
 # most 2P steps outstanding; this only bounds a client that does not).
 MAX_QUEUED_STEPS = 16
 
-_KIND_ENUMS = {TransportKind.TCP: pb.TRANSPORT_TCP, TransportKind.CUDA_IPC: pb.TRANSPORT_CUDA_IPC}
+_KIND_ENUMS = {TransportKind.TCP: pb.TRANSPORT_TCP, TransportKind.CUDA_IPC: pb.TRANSPORT_CUDA_IPC,
+               TransportKind.NCCL: pb.TRANSPORT_NCCL}
 _ENUM_KINDS = {pb.TRANSPORT_UNSPECIFIED: TransportKind.TCP,
                **{enum: kind for kind, enum in _KIND_ENUMS.items()}}
 _ACTIVATION_ROLES = frozenset({pb.LINK_ROLE_LISTEN_UPSTREAM, pb.LINK_ROLE_CONNECT_DOWNSTREAM})
@@ -185,7 +186,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if kind is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"transport {pb.Transport.Name(request.transport)} is not "
-                                "implemented (have: TRANSPORT_TCP, TRANSPORT_CUDA_IPC)")
+                                "implemented (have: TRANSPORT_TCP, TRANSPORT_CUDA_IPC, "
+                                "TRANSPORT_NCCL)")
         if kind not in self.leader.transports and request.role in _ACTIVATION_ROLES:
             offered = ", ".join(pb.Transport.Name(_KIND_ENUMS[k]) for k in self.leader.transports)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

@@ -129,10 +129,11 @@ def _add_stage(commands: SubParsers) -> None:
                    help="never replay CUDA graphs for decode steps")
     _add_quantization_arg(p)
     _add_compression_arg(p)
-    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc"),
+    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc", "nccl"),
                    help="data-plane transports this stage offers for activations: auto (tcp, "
-                        "and cuda_ipc on a CUDA device with cupy installed), or only one; the "
-                        "router picks per hop among what both ends offer")
+                        "and cuda_ipc and nccl on a CUDA device with cupy, and its NCCL, "
+                        "installed), or only one; the router picks per hop among what both "
+                        "ends offer")
     p.add_argument("--standby", action="store_true",
                    help="hold no layers until the router assigns this stage the place of one "
                         "that failed (the router's --standby-stages lists it); --stage-index "
@@ -277,11 +278,13 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "connections across them; a connection stays on one process. Raise "
                         "it when one process's per-token work limits throughput, e.g. "
                         "hundreds of concurrent streams (default: %(default)s)")
-    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc"),
+    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc", "nccl"),
                    help="data-plane transport of each hop between stages: auto (cuda_ipc "
-                        "between two stages on one host that both offer it, TCP elsewhere and "
-                        "for a hop whose cuda_ipc link fails), tcp, or cuda_ipc (every hop; "
-                        "the pipeline does not come up while one cannot have it). The "
+                        "between two stages on one host that both offer it, nccl between "
+                        "two GPU stages on different hosts that both offer it, TCP elsewhere "
+                        "and for a hop whose cuda_ipc or nccl link fails), tcp, cuda_ipc or "
+                        "nccl (every hop; the pipeline does not come up while one cannot "
+                        "have it). The "
                         "feedback link (last stage to first) is always TCP. `stagemesh serve` "
                         "passes it to its stages too, which then offer only that transport "
                         "(auto: what they can) (default: %(default)s)")

@@ -25,7 +25,7 @@ class CoreConfig:
         run_ahead_depth: as `RouterConfig`.
         stage_token: as `RouterConfig`.
         transport: the data-plane transport asked for, as `RouterConfig` ("auto", "tcp",
-            "cuda_ipc"); the pipeline driver picks each hop's (`Pipeline.hop_transports`).
+            "cuda_ipc", "nccl"); the pipeline driver picks each hop's (`Pipeline.hop_transports`).
         standby_stages / standby_grace_s: as `RouterConfig`.
         metrics_dir: the router's multi-process metrics directory ("" = no metrics).
         otlp_traces_endpoint / trace_step_interval: as `RouterConfig` (the core records a

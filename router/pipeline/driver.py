@@ -37,6 +37,7 @@ from router.pipeline.stage_client import StageClient, describe_error
 from router.pipeline.transports import (
     AUTO,
     CUDA_IPC,
+    NCCL,
     TCP,
     TRANSPORT_CHOICES,
     choose_transport,
@@ -47,9 +48,10 @@ from router.scheduler import StepPlan
 log = logging.getLogger("stagemesh.router")
 
 START_RETRY_S = 0.5  # between attempts of `Pipeline.start` to bring the stages up
-# What a stage answers a Connect whose CUDA IPC link cannot be made on its side (no shared
-# GPU memory between the two processes, the peer's handles refused): with "auto", that hop
-# is linked over TCP instead. Any other failure is the pipeline's (start() retries).
+# What a stage answers a Connect whose CUDA IPC or NCCL link cannot be made on its side (no
+# shared GPU memory between the two processes, the peer's handles refused, no NCCL route
+# between the hosts): with "auto", that hop is linked over TCP instead. Any other failure
+# is the pipeline's (start() retries).
 CUDA_IPC_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
                                      grpc.StatusCode.FAILED_PRECONDITION})
 
@@ -78,8 +80,8 @@ class Pipeline:
     on_outcome: called with the last stage's answer to every plan, in step order.
     on_failure: called once when the pipeline goes down, with the reason.
     transport: the data-plane transport asked for, one of TRANSPORT_CHOICES ("auto",
-        "tcp", "cuda_ipc"; see `choose_transport`).
-    hop_transports: the transport each hop i -> i+1 uses ("tcp", "cuda_ipc"), P - 1
+        "tcp", "cuda_ipc", "nccl"; see `choose_transport`).
+    hop_transports: the transport each hop i -> i+1 uses ("tcp", "cuda_ipc", "nccl"), P - 1
         entries in pipeline order, of the last epoch whose links all came up ([] before
         the first).
     standby: addresses of standby stages (`stage --standby`), used in order: once the
@@ -245,11 +247,11 @@ class Pipeline:
             try:
                 await self._link_hop(up, down, kind)
             except grpc.aio.AioRpcError as e:
-                if not (kind == CUDA_IPC and self.transport == AUTO
+                if not (kind in (CUDA_IPC, NCCL) and self.transport == AUTO
                         and e.code() in CUDA_IPC_FALLBACK_CODES):
                     raise
-                log.warning("hop %d->%d: the cuda_ipc link failed (%s); linking it over tcp",
-                            up.index, down.index, describe_error(e))
+                log.warning("hop %d->%d: the %s link failed (%s); linking it over tcp",
+                            up.index, down.index, kind, describe_error(e))
                 kind = TCP
                 await self._link_hop(up, down, kind)  # the new listen replaces the old one
             hops.append(kind)

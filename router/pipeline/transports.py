@@ -1,9 +1,9 @@
 """Which data-plane transport each hop between two neighbouring stages uses.
 
-The router's `--transport` asks for one: "auto" (CUDA IPC where two stages can share GPU
-memory, TCP elsewhere), "tcp" everywhere, or "cuda_ipc" everywhere (an error naming the
-stage when a hop cannot). The feedback link (last stage -> first stage: a few host ints per
-step) is always TCP.
+The router's `--transport` asks for one: "auto" (CUDA IPC where two stages on one host can
+share GPU memory, NCCL between GPU stages on different hosts, TCP elsewhere), "tcp"
+everywhere, "cuda_ipc" or "nccl" everywhere (an error naming the stage when a hop cannot).
+The feedback link (last stage -> first stage: a few host ints per step) is always TCP.
 """
 
 from __future__ import annotations
@@ -12,19 +12,23 @@ from router.pipeline.shape import PipelineError, StageInfo
 
 TCP = "tcp"
 CUDA_IPC = "cuda_ipc"
+NCCL = "nccl"
 AUTO = "auto"
-TRANSPORT_CHOICES = (AUTO, TCP, CUDA_IPC)  # what `--transport` accepts
+TRANSPORT_CHOICES = (AUTO, TCP, CUDA_IPC, NCCL)  # what `--transport` accepts
 
 
 def choose_transport(up: StageInfo, down: StageInfo, wanted: str) -> str:
     """The transport of the hop `up` -> `down` (neighbours, in pipeline order).
 
     wanted: "auto" -> "cuda_ipc" when both stages offer it and report the same non-empty
-    host_id, else "tcp"; "tcp" -> "tcp"; "cuda_ipc" -> "cuda_ipc" when that holds.
+    host_id; else "nccl" when both offer it and report two different non-empty host_ids;
+    else "tcp". "tcp" -> "tcp"; "cuda_ipc" -> "cuda_ipc" when that holds; "nccl" -> "nccl"
+    when both offer it, on any hosts (two GPUs of one host without IPC between them; NCCL
+    refuses two ranks on one GPU, which the link then reports).
 
     Raises:
-        PipelineError: "cuda_ipc" was asked for and this hop cannot have it (naming the
-            stage(s) that do not offer it, or the two hosts).
+        PipelineError: "cuda_ipc" or "nccl" was asked for and this hop cannot have it
+            (naming the stage(s) that do not offer it, or the two hosts).
         ValueError: `wanted` is none of TRANSPORT_CHOICES.
     """
     if wanted not in TRANSPORT_CHOICES:
@@ -32,21 +36,37 @@ def choose_transport(up: StageInfo, down: StageInfo, wanted: str) -> str:
                          f"got {wanted!r}")
     if wanted == TCP:
         return TCP
-    why = _why_not_cuda_ipc(up, down)
+    why = _why_not_nccl(up, down) if wanted == NCCL else _why_not_cuda_ipc(up, down)
     if why is None:
-        return CUDA_IPC
-    if wanted == AUTO:
-        return TCP
-    raise PipelineError(f"--transport cuda_ipc: the hop from stage {up.stage_index} to stage "
-                        f"{down.stage_index} cannot use cuda_ipc: {why}")
+        return wanted if wanted == NCCL else CUDA_IPC
+    if wanted != AUTO:
+        raise PipelineError(f"--transport {wanted}: the hop from stage {up.stage_index} to "
+                            f"stage {down.stage_index} cannot use {wanted}: {why}")
+    if (_why_not_nccl(up, down) is None and up.host_id and down.host_id
+            and up.host_id != down.host_id):
+        return NCCL
+    return TCP
+
+
+def _lacking(up: StageInfo, down: StageInfo, kind: str) -> str | None:
+    """Which of the two stages do not offer `kind` (None: both do)."""
+    lacking = [s for s in (up, down) if kind not in s.transports]
+    if not lacking:
+        return None
+    return "; ".join(f"stage {s.stage_index} does not offer it (it offers "
+                     f"{', '.join(s.transports)})" for s in lacking)
+
+
+def _why_not_nccl(up: StageInfo, down: StageInfo) -> str | None:
+    """None when the two stages can link over NCCL, else why not."""
+    return _lacking(up, down, NCCL)
 
 
 def _why_not_cuda_ipc(up: StageInfo, down: StageInfo) -> str | None:
     """None when the two stages can link over CUDA IPC, else why not."""
-    lacking = [s for s in (up, down) if CUDA_IPC not in s.transports]
+    lacking = _lacking(up, down, CUDA_IPC)
     if lacking:
-        return "; ".join(f"stage {s.stage_index} does not offer it (it offers "
-                         f"{', '.join(s.transports)})" for s in lacking)
+        return lacking
     unknown = [s for s in (up, down) if not s.host_id]
     if unknown:
         return "; ".join(f"stage {s.stage_index} does not report its host" for s in unknown)
@@ -57,7 +77,7 @@ def _why_not_cuda_ipc(up: StageInfo, down: StageInfo) -> str | None:
 
 def describe_hops(hops: list[str]) -> str:
     """The hops for a log line: "hops: tcp" when all are alike, else each one
-    ("hops: 0->1 cuda_ipc, 1->2 tcp"); "no hops" for a single stage."""
+    ("hops: 0->1 cuda_ipc, 1->2 nccl"); "no hops" for a single stage."""
     if not hops:
         return "no hops"
     if len(set(hops)) == 1:

@@ -21,11 +21,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 2 << 30
 class TransportKind(enum.Enum):
     """How the bytes move. Chosen per hop by the launcher; see ARCHITECTURE.md, "The data plane".
 
-    NCCL will implement the same `Transport` contract.
     """
 
     TCP = "tcp"
     CUDA_IPC = "cuda_ipc"
+    NCCL = "nccl"
 
 
 def new_link_token() -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from stage_worker.dataplane import cuda_ipc_setup
+from stage_worker.dataplane import cuda_ipc_setup, nccl_setup
 from stage_worker.dataplane.config import DataPlaneConfig, LinkSpec, TransportKind
 from stage_worker.dataplane.cuda_ipc_slots import RingConfig
 from stage_worker.dataplane.tcp import TcpListener, TcpTransport
@@ -19,18 +19,21 @@ _DEFAULT_CONFIG = DataPlaneConfig()
 
 
 def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG,
-                  ring: RingConfig | None = None) -> LinkListener:
+                  ring: RingConfig | None = None,
+                  device: torch.device | None = None) -> LinkListener:
     """Start the accepting end of a link: bind ``spec.host:spec.port`` (0 picks a port).
 
     Args:
         ring: for ``cuda_ipc``, the receiving ring (device, slot size) each peer gets.
+        device: for ``nccl``, the receiver's device.
 
     Returns:
         A listener; its ``spec`` carries the bound port and the token, for the peer.
 
     Raises:
         OSError: the address cannot be bound.
-        ValueError: ``cuda_ipc`` without a ring, or not available in this process.
+        ValueError: ``cuda_ipc`` without a ring, ``nccl`` without a device, or either not
+            available in this process.
         NotImplementedError: a transport kind this build does not implement.
     """
     if spec.kind is TransportKind.TCP:
@@ -40,6 +43,11 @@ def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG,
             raise ValueError("a cuda_ipc listener needs its ring (device and slot size)")
         return cuda_ipc_setup.CudaIpcListener(spec.host, spec.port, token=spec.token, ring=ring,
                                         config=config)
+    if spec.kind is TransportKind.NCCL:
+        if device is None:
+            raise ValueError("an nccl listener needs the receiver's device")
+        return nccl_setup.NcclListener(spec.host, spec.port, token=spec.token, device=device,
+                                       config=config)
     raise NotImplementedError(f"transport {spec.kind.value} is not implemented")
 
 
@@ -53,7 +61,7 @@ def open_link(
         spec: the peer listener's kind, address and token (``port`` must be its real port).
         timeout_s: upper bound on connecting plus the handshake.
         config: local limits of this end.
-        device: for ``cuda_ipc``, the sender's device (where its tensors are).
+        device: for ``cuda_ipc`` and ``nccl``, the sender's device (where its tensors are).
 
     Returns:
         The linked transport.
@@ -62,6 +70,7 @@ def open_link(
         ValueError: ``spec.port`` is 0.
         LinkUnreachableError, LinkRefusedError, TransportTimeout: see `TcpTransport.connect`
             (``cuda_ipc`` also refuses when the peer's ring cannot be mapped here).
+        LinkClosedError: ``nccl``: the communicator could not be made.
         NotImplementedError: a transport kind this build does not implement.
     """
     if spec.port == 0:
@@ -75,4 +84,9 @@ def open_link(
             raise ValueError("a cuda_ipc link needs the sender's device")
         return cuda_ipc_setup.connect(spec.host, spec.port, token=spec.token, timeout_s=timeout_s,
                                 device=device, config=config)
+    if spec.kind is TransportKind.NCCL:
+        if device is None:
+            raise ValueError("an nccl link needs the sender's device")
+        return nccl_setup.connect(spec.host, spec.port, token=spec.token, timeout_s=timeout_s,
+                                  device=device, config=config)
     raise NotImplementedError(f"transport {spec.kind.value} is not implemented")

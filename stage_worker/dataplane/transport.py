@@ -1,6 +1,6 @@
 """The data-plane contract between neighbouring pipeline stages, and its errors.
 
-Every transport (``tcp``, ``cuda_ipc``; ``nccl`` later) implements `Transport`, so the
+Every transport (``tcp``, ``cuda_ipc``, ``nccl``) implements `Transport`, so the
 stage loop is written once against this file and never sees sockets, IPC handles or
 communicators. Links are created from a `LinkSpec` (see `link.py`), which is what the
 control plane's ``Connect`` RPC carries.

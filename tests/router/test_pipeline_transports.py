@@ -46,6 +46,8 @@ def _info(index: int, transports: tuple[str, ...] = ("tcp", "cuda_ipc"),
 # --- choose_transport ------------------------------------------------------------------------
 
 TCP_ONLY = ("tcp",)
+ALL = ("tcp", "cuda_ipc", "nccl")
+NO_IPC = ("tcp", "nccl")
 
 
 @pytest.mark.parametrize(("up", "down", "wanted", "want"), [
@@ -57,8 +59,20 @@ TCP_ONLY = ("tcp",)
     (_info(0), _info(1), "tcp", "tcp"),
     (_info(0, TCP_ONLY), _info(1, host_id=HOST_B), "tcp", "tcp"),
     (_info(0), _info(1), "cuda_ipc", "cuda_ipc"),
+    (_info(0, ALL), _info(1, ALL), "auto", "cuda_ipc"),
+    (_info(0, ALL), _info(1, ALL, HOST_B), "auto", "nccl"),
+    (_info(0, NO_IPC), _info(1, ALL, HOST_B), "auto", "nccl"),
+    (_info(0, ALL), _info(1, TCP_ONLY, HOST_B), "auto", "tcp"),
+    (_info(0, NO_IPC), _info(1, NO_IPC), "auto", "tcp"),
+    (_info(0, ALL, ""), _info(1, ALL, ""), "auto", "tcp"),
+    (_info(0, ALL), _info(1, ALL), "nccl", "nccl"),
+    (_info(0, NO_IPC), _info(1, ("nccl",), HOST_B), "nccl", "nccl"),
+    (_info(0, ALL), _info(1, ALL, HOST_B), "tcp", "tcp"),
 ], ids=["auto-same-host", "auto-other-host", "auto-up-lacks", "auto-down-lacks",
-        "auto-no-host-id", "tcp", "tcp-whatever-offered", "cuda_ipc"])
+        "auto-no-host-id", "tcp", "tcp-whatever-offered", "cuda_ipc",
+        "auto-same-host-all", "auto-other-host-nccl", "auto-other-host-nccl-no-ipc",
+        "auto-other-host-down-lacks-nccl", "auto-same-host-no-ipc", "auto-no-host-id-all",
+        "nccl-same-host", "nccl-other-host", "tcp-over-nccl"])
 def test_the_transport_chosen_for_a_hop(up: StageInfo, down: StageInfo, wanted: str,
                                         want: str) -> None:
     assert choose_transport(up, down, wanted) == want
@@ -82,9 +96,22 @@ def test_cuda_ipc_forced_where_a_hop_cannot_have_it_names_the_stage(
         choose_transport(up, down, "cuda_ipc")
 
 
+@pytest.mark.parametrize(("up", "down", "error"), [
+    (_info(0, ALL), _info(1), "the hop from stage 0 to stage 1 cannot use nccl: stage 1 does "
+     "not offer it (it offers tcp, cuda_ipc)"),
+    (_info(2, TCP_ONLY, num_stages=4), _info(3, TCP_ONLY, HOST_B, num_stages=4),
+     "--transport nccl: the hop from stage 2 to stage 3 cannot use nccl: stage 2 does not "
+     "offer it (it offers tcp); stage 3 does not offer it (it offers tcp)"),
+], ids=["down-lacks", "both-lack"])
+def test_nccl_forced_where_a_hop_cannot_have_it_names_the_stage(
+        up: StageInfo, down: StageInfo, error: str) -> None:
+    with pytest.raises(PipelineError, match=re.escape(error)):
+        choose_transport(up, down, "nccl")
+
+
 def test_an_unknown_transport_is_refused() -> None:
-    with pytest.raises(ValueError, match="got 'nccl'"):
-        choose_transport(_info(0), _info(1), "nccl")
+    with pytest.raises(ValueError, match="got 'udp'"):
+        choose_transport(_info(0), _info(1), "udp")
     with pytest.raises(ValueError, match="got 'udp'"):
         Pipeline(["127.0.0.1:1"], transport="udp")
     with pytest.raises(ValueError, match="got 'udp'"):
@@ -95,6 +122,7 @@ def test_hops_in_the_ready_line() -> None:
     assert describe_hops([]) == "no hops"
     assert describe_hops(["tcp", "tcp"]) == "hops: tcp"
     assert describe_hops(["cuda_ipc", "tcp"]) == "hops: 0->1 cuda_ipc, 1->2 tcp"
+    assert describe_hops(["cuda_ipc", "nccl"]) == "hops: 0->1 cuda_ipc, 1->2 nccl"
 
 
 # --- protos ----------------------------------------------------------------------------------
@@ -142,7 +170,10 @@ def test_the_flag_reaches_the_core_and_serve_passes_it_to_router_and_stages(
     default = parser.parse_args(["router", "--model", str(model_dir)])
     assert router_config(default, ("127.0.0.1:1",)).transport == "auto"
     with pytest.raises(SystemExit):
-        parser.parse_args(["router", "--transport", "nccl"])
+        parser.parse_args(["router", "--transport", "udp"])
+    for command in ("router", "stage", "serve"):
+        assert parser.parse_args([command, "--model", str(model_dir), "--transport",
+                                  "nccl"]).transport == "nccl"
     serve = parser.parse_args(["serve", "--model", str(model_dir), "--device", "cpu",
                                "--stages", "2", "--transport", "cuda_ipc"])
     children = build_children(serve, tmp_path)
@@ -189,12 +220,14 @@ class FakeStage(stage_pb2_grpc.StageServiceServicer):
         return pb.DrainResponse()
 
 
-def _describe(index: int, num_stages: int, host_id: str = HOST_A) -> pb.DescribeResponse:
+def _describe(index: int, num_stages: int, host_id: str = HOST_A,
+              transports: tuple[int, ...] = (pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC)
+              ) -> pb.DescribeResponse:
     return pb.DescribeResponse(
         stage_index=index, num_stages=num_stages, layer_start=index, layer_end=index + 1,
         device="cuda:0", dtype="bfloat16", tp_size=1, num_kv_blocks=64, block_size=16,
         vocab_size=100, max_num_batched_tokens=256, max_num_seqs=8, model_impl="null",
-        transports=[pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC], host_id=host_id)
+        transports=list(transports), host_id=host_id)
 
 
 def _run(stages: list[FakeStage], transport: str, budget_s: float = 5.0) -> list[str]:
@@ -222,6 +255,30 @@ def _run(stages: list[FakeStage], transport: str, budget_s: float = 5.0) -> list
 
 LISTEN_CUDA = (pb.LINK_ROLE_LISTEN_UPSTREAM, pb.TRANSPORT_CUDA_IPC)
 CONNECT_CUDA = (pb.LINK_ROLE_CONNECT_DOWNSTREAM, pb.TRANSPORT_CUDA_IPC)
+CONNECT_NCCL = (pb.LINK_ROLE_CONNECT_DOWNSTREAM, pb.TRANSPORT_NCCL)
+ALL_ENUMS = (pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_NCCL)
+
+
+def test_auto_links_over_nccl_across_hosts_and_falls_back_to_tcp_when_it_fails(
+        caplog: pytest.LogCaptureFixture) -> None:
+    hosts = (HOST_A, HOST_A, HOST_B, HOST_B)
+    stages = [FakeStage(_describe(i, 4, hosts[i], ALL_ENUMS)) for i in range(4)]
+    with caplog.at_level(logging.INFO, "stagemesh.router"):
+        assert _run(stages, "auto") == ["cuda_ipc", "nccl", "cuda_ipc"]
+    assert stages[2].asked[0] == ("LISTEN_UPSTREAM", "NCCL")
+    assert "hops: 0->1 cuda_ipc, 1->2 nccl, 2->3 cuda_ipc" in caplog.text
+    stages = [FakeStage(_describe(0, 2, HOST_A, ALL_ENUMS),
+                        {CONNECT_NCCL: grpc.StatusCode.UNAVAILABLE}),
+              FakeStage(_describe(1, 2, HOST_B, ALL_ENUMS))]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, "stagemesh.router"):
+        assert _run(stages, "auto") == ["tcp"]
+    assert stages[0].asked[:2] == [("CONNECT_DOWNSTREAM", "NCCL"), ("CONNECT_DOWNSTREAM", "TCP")]
+    assert "hop 0->1: the nccl link failed (UNAVAILABLE" in caplog.text
+    with pytest.raises(PipelineError, match="UNAVAILABLE"):  # forced: no fallback
+        _run([FakeStage(_describe(0, 2, HOST_A, ALL_ENUMS),
+                        {CONNECT_NCCL: grpc.StatusCode.UNAVAILABLE}),
+              FakeStage(_describe(1, 2, HOST_B, ALL_ENUMS))], "nccl", budget_s=0)
 
 
 def test_auto_links_over_cuda_ipc_where_both_offer_it_and_feedback_over_tcp(

@@ -170,8 +170,8 @@ def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: 
 def test_a_cpu_stage_offers_tcp_and_refuses_other_transports_naming_them(
         checkpoint: Path) -> None:
     """Describe lists what the stage offers and where it runs; a Connect for a transport the
-    stage does not offer (cuda_ipc on CPU), for one not implemented (nccl), or for a feedback
-    link other than tcp, is refused with the status and the names; tcp still links after."""
+    stage does not offer (cuda_ipc and nccl on CPU), or for a feedback link other than tcp,
+    is refused with the status and the names; tcp still links after."""
     cfg = StageConfig(checkpoint, model_impl="null", stage_index=1, num_stages=2)
 
     def listen(transport: int, role: int = pb.LINK_ROLE_LISTEN_UPSTREAM) -> pb.ConnectRequest:
@@ -195,7 +195,8 @@ def test_a_cpu_stage_offers_tcp_and_refuses_other_transports_naming_them(
     assert info.host_id and "/" in info.host_id
     assert errors[0] == (grpc.StatusCode.FAILED_PRECONDITION, "transport TRANSPORT_CUDA_IPC "
                          "is not offered by this stage (it offers TRANSPORT_TCP)")
-    assert errors[1][0] == grpc.StatusCode.UNIMPLEMENTED and "TRANSPORT_NCCL" in errors[1][1]
+    assert errors[1] == (grpc.StatusCode.FAILED_PRECONDITION, "transport TRANSPORT_NCCL "
+                         "is not offered by this stage (it offers TRANSPORT_TCP)")
     assert errors[2] == (grpc.StatusCode.INVALID_ARGUMENT,
                          "the feedback link is TRANSPORT_TCP only")
     assert address.startswith("127.0.0.1:")
