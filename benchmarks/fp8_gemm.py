@@ -29,8 +29,8 @@ from benchmarks.skinny_gemm import graph_ms, projections
 from kernels.fp8_linear import fp8_linear_ref, quantize_weight
 from kernels.fp8_linear_triton import SkinnyLaunch, fp8_linear_triton, quantize_rows_triton
 
-GRID = [SkinnyLaunch(n, k, w, s) for n, k, w, s in
-        itertools.product((16, 32, 64), (256, 512), (4, 8), (3, 4))]
+GRID = [SkinnyLaunch(n, k, w, s, split) for n, k, w, s, split in
+        itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
 
 
 def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]
@@ -50,6 +50,7 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]
         return run
 
     row: dict[str, Any] = {"case": f"{name} M={rows}", "fp8_floor_ms": floor_ms}
+    row["default_ms"] = graph_ms(over(lambda i: fp8_linear_triton(x, *fp8[i])), copies)
     row["bf16_cublas_ms"] = graph_ms(over(lambda i: F.linear(x, bf16[i])), copies)
 
     def scaled(i: int) -> torch.Tensor:
@@ -72,7 +73,7 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]
             best = (ms, launch)
     if best is not None:
         row["triton_best_ms"], row["triton_best"] = best[0], vars(best[1])
-    for key in ("bf16_cublas", "scaled_mm", "triton_best"):
+    for key in ("bf16_cublas", "scaled_mm", "default", "triton_best"):
         if f"{key}_ms" in row:
             row[f"{key}_of_fp8_floor"] = floor_ms / row[f"{key}_ms"]
     return row

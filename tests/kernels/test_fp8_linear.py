@@ -58,19 +58,24 @@ def check_skinny(device: str, shapes: tuple[tuple[int, int, int], ...],
     """The weight-streaming kernel against the reference: its products are exact (tf32
     holds e4m3 and bf16/fp16 values), so only the fp32 sums' order and the output's rounding
     differ."""
-    from kernels.fp8_linear_triton import fp8_linear_triton
+    from kernels.fp8_linear_triton import SkinnyLaunch, fp8_linear_triton
 
+    # The launch picked by shape, and K split over 2 and 4 programs (partial sums added by a
+    # second kernel), with tiles that do and do not divide K.
+    launches = (None, SkinnyLaunch(split_k=2), SkinnyLaunch(block_n=64, block_k=128, split_k=4))
     g = torch.Generator().manual_seed(2)
     for dtype in dtypes:
         for m, n, k in shapes:
             q, scale = quantize_weight(torch.randn(n, k, generator=g))
             x = torch.randn(m, k, generator=g).to(dtype)
-            got = fp8_linear_triton(x.to(device), q.to(device), scale.to(device)).cpu()
             ref = fp8_linear_ref(x, q, scale)
-            assert got.dtype == dtype and got.shape == (m, n)
             tol = (8e-3 if dtype == torch.bfloat16 else 1e-3) * ref.float().abs().max().item()
-            gap = (got.float() - ref.float()).abs().max().item()
-            assert gap <= tol, f"{dtype} {m}x{n}x{k}: {gap} > {tol}"
+            for launch in launches:
+                got = fp8_linear_triton(x.to(device), q.to(device), scale.to(device),
+                                        launch).cpu()
+                assert got.dtype == dtype and got.shape == (m, n)
+                gap = (got.float() - ref.float()).abs().max().item()
+                assert gap <= tol, f"{dtype} {m}x{n}x{k} {launch}: {gap} > {tol}"
 
 
 def test_skinny_kernel_in_the_interpreter() -> None:
