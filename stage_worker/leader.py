@@ -260,7 +260,8 @@ class StageLeader:
         rank.held.note_sampling(step_id, sample.seq_ids)
         if rank.is_first:
             self.feedback.put(StepTokens(step_id, sample.seq_ids, None, sample.token_ids))
-        return _Sampling(step_id, sample, rank.prompt_logprobs(chunks, scores))
+        return _Sampling(step_id, sample,
+                         rank.prompt_logprobs(chunks, scores, len(sample.seq_ids)))
 
     def _resolve(self, sampling: _Sampling) -> StageOutcome:
         """Last stage: wait once for the tokens' host copy, record them and send them to

@@ -105,15 +105,14 @@ class StageRank:
         seqs = [self.held.seqs[c.seq_id] for c in chunks if c.sample]
         return self.runner.sample(seqs, scores[:len(seqs)])
 
-    def prompt_logprobs(self, chunks: Sequence[SeqChunk], scores: torch.Tensor
-                        ) -> tuple[PromptLogprobs, ...]:
+    def prompt_logprobs(self, chunks: Sequence[SeqChunk], scores: torch.Tensor,
+                        num_sampled: int) -> tuple[PromptLogprobs, ...]:
         """Last stage, rank 0: the prompt log probabilities of the step's chunks with
-        `prompt_rows` (none asked: empty), from the rows of `scores` after the sampling
-        ones. Waits for the device when there are some."""
-        num_prompt = scores.shape[0] - sum(c.sample for c in chunks)
-        if not num_prompt:
+        `prompt_rows` (none asked: empty), from the rows of `scores` after its
+        `num_sampled` sampling ones. Waits for the device when there are some."""
+        if scores.shape[0] == num_sampled:
             return ()
-        return score_prompts(scores[scores.shape[0] - num_prompt:], chunks, self.held.seqs)
+        return score_prompts(scores[num_sampled:], chunks, self.held.seqs)
 
     def reset(self) -> int:
         """Forget every sequence and the last step id (the Run stream ended); returns how
