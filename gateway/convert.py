@@ -164,9 +164,7 @@ class ResponseBuilder:
             if logprob is None:
                 out["top_logprobs"].append(None)
             else:
-                tops = {self.texts.get(i)[0]: v for i, v in top[:k]}
-                tops.setdefault(text, logprob)
-                out["top_logprobs"].append(tops)
+                out["top_logprobs"].append(self._legacy_tops(text, logprob, top[:k]))
             out["text_offset"].append(offset)
             offset += len(decoder.decode(bytes(raw))) if raw is not None else len(text)
         for key in out:
@@ -196,13 +194,19 @@ class ResponseBuilder:
             text, raw = self.texts.get(token_id)
             out["tokens"].append(text)
             out["token_logprobs"].append(logprob)
-            tops = {self.texts.get(i)[0]: v for i, v in top}
-            tops.setdefault(text, logprob)
-            out["top_logprobs"].append(tops)
+            out["top_logprobs"].append(self._legacy_tops(text, logprob, top))
             out["text_offset"].append(choice.token_chars if raw is not None else choice.chars)
             if raw is not None:
                 choice.token_chars += len(choice.utf8.decode(bytes(raw)))
         return out
+
+    def _legacy_tops(self, text: str, logprob: float,
+                     top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        """OpenAI's legacy `top_logprobs` entry: the alternatives' texts, plus the token's
+        own (OpenAI: "up to logprobs + 1 elements")."""
+        tops = {self.texts.get(i)[0]: v for i, v in top}
+        tops.setdefault(text, logprob)
+        return tops
 
     def stream_chunks(self, d: Delta) -> list[dict[str, Any]]:
         """The SSE chunks for a delta: `stream_chunk`'s, and with tool calls one more chunk
