@@ -1,5 +1,5 @@
 """The fp8 linear layers' GPU paths at decode batch sizes, against bf16 cuBLAS: the Triton
-weight-streaming kernel (`kernels.fp8_linear_triton`) over a grid of launches, and the
+weight-streaming kernel (`kernels.skinny_linear_triton`) over a grid of launches, and the
 per-token quantization + `torch._scaled_mm` path, each against the fp8 weight-streaming
 floor (e4m3 weight bytes / the copy rate measured in the same run).
 
@@ -13,7 +13,6 @@ that nothing is served from L2, as in a real step where each layer's weight is r
 from __future__ import annotations
 
 import argparse
-import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,10 @@ from triton.runtime.errors import OutOfResources
 from benchmarks.report import git_revision, print_table, write_json
 from benchmarks.runtime_vs_hf import roofline
 from benchmarks.shapes import SHAPES
-from benchmarks.skinny_gemm import graph_ms, projections
+from benchmarks.skinny_gemm import GRID, graph_ms, projections
 from kernels.fp8_linear import fp8_linear_ref, quantize_weight
-from kernels.fp8_linear_triton import SkinnyLaunch, fp8_linear_triton, quantize_rows_triton
-
-GRID = [SkinnyLaunch(n, k, w, s, split) for n, k, w, s, split in
-        itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
+from kernels.fp8_linear_triton import quantize_rows_triton
+from kernels.skinny_linear_triton import SkinnyLaunch, skinny_linear_triton
 
 
 def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]
@@ -50,7 +47,7 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]
         return run
 
     row: dict[str, Any] = {"case": f"{name} M={rows}", "fp8_floor_ms": floor_ms}
-    row["default_ms"] = graph_ms(over(lambda i: fp8_linear_triton(x, *fp8[i])), copies)
+    row["default_ms"] = graph_ms(over(lambda i: skinny_linear_triton(x, *fp8[i])), copies)
     row["bf16_cublas_ms"] = graph_ms(over(lambda i: F.linear(x, bf16[i])), copies)
 
     def scaled(i: int) -> torch.Tensor:
@@ -63,11 +60,11 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]
     best: tuple[float, SkinnyLaunch] | None = None
     for launch in GRID if rows <= 64 else []:
         try:
-            got = fp8_linear_triton(x, *fp8[0], launch=launch).float()
+            got = skinny_linear_triton(x, *fp8[0], launch=launch).float()
         except OutOfResources:
             continue
         assert (got - want).abs().max().item() <= 8e-3 * want.abs().max().item(), launch
-        ms = graph_ms(over(lambda i, lc=launch: fp8_linear_triton(x, *fp8[i], launch=lc)),
+        ms = graph_ms(over(lambda i, lc=launch: skinny_linear_triton(x, *fp8[i], launch=lc)),
                       copies)
         if best is None or ms < best[0]:
             best = (ms, launch)

@@ -9,8 +9,8 @@ each row's largest magnitude maps to e4m3's largest, 448), and
 the weights alone quantized (W8A16). On CUDA, with Triton:
 - M <= STREAMING_ROWS (small decode batches; the step streams the weights): a kernel reads
   the e4m3 weights, widens them in registers and applies the row scales after the fp32
-  accumulation (`fp8_linear_triton`): the reference's numerics up to summation order, half
-  the bytes of a bf16 weight;
+  accumulation (`kernels.skinny_linear_triton`): the reference's numerics up to summation
+  order, half the bytes of a bf16 weight;
 - larger M (prefill, large batches; the step is compute-bound): activations are quantized
   per token to e4m3 as well (`quantize_rows_triton`) and multiplied on the FP8 tensor cores
   by `torch._scaled_mm` with row-wise scales (W8A8 with dynamic activation scales, as vLLM's
@@ -74,10 +74,11 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     docstring where the platform uses Triton, else `fp8_linear_ref`."""
     if not (PLATFORM.use_triton and x.is_cuda and x.dim() == 2 and x.stride(1) == 1):
         return fp8_linear_ref(x, q, scale, bias)
-    from kernels.fp8_linear_triton import fp8_linear_triton, quantize_rows_triton
+    from kernels.fp8_linear_triton import quantize_rows_triton
+    from kernels.skinny_linear_triton import skinny_linear_triton
 
     if x.shape[0] <= STREAMING_ROWS:
-        y = fp8_linear_triton(x, q, scale)
+        y = skinny_linear_triton(x, q, scale)
     else:
         xq, xs = quantize_rows_triton(x)
         y = torch._scaled_mm(xq, q.t(), scale_a=xs[:, None], scale_b=scale[None, :],

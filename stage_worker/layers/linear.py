@@ -11,10 +11,10 @@ per output feature (`kernels.fp8_linear`); its matmuls then run the fp8 kernels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8_linear import fp8_linear, quantize_weight
+from kernels.fp8_linear import quantize_weight
+from kernels.linear import linear, linear_silu_and_mul
 from stage_worker.layers.weights import WeightSource, copy_checked
 from stage_worker.parallel import HeadShard, TPGroup, shard_range
 
@@ -27,9 +27,7 @@ class LinearLayer(nn.Module):
     fp8_scale: torch.Tensor | None = None  # [out] fp32, set by quantize_fp8
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.fp8_scale is not None:
-            return fp8_linear(x, self.weight, self.fp8_scale, bias)
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, bias, self.fp8_scale)
 
     def quantize_fp8(self) -> None:
         """Replace the loaded weight by its e4m3 form (the original is freed)."""
@@ -145,6 +143,13 @@ class MergedColumnParallelLinear(LinearLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate, up] projection: [T, local gate features], the
+        SiLU-and-mul fused into the matmul where the kernels allow (`kernels.linear`)."""
+        assert len(self.shards) == 2 and self.offsets[1] * 2 == self.weight.shape[0], \
+            "silu_and_mul needs two outputs of one size"
+        return linear_silu_and_mul(x, self.weight, self.fp8_scale)
 
     def load(self, name: str, src: WeightSource, shard: str | int | None = None) -> None:
         assert isinstance(shard, int), f"{name}: merged shard index required"

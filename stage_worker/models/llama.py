@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from foundation.model_config import ModelConfig
-from kernels.activation import silu_and_mul
 from stage_worker.forward_context import ForwardContext
 from stage_worker.layers.attention import PagedSelfAttention
 from stage_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -33,7 +32,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -47,11 +46,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
 
-    def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                ctx: ForwardContext) -> torch.Tensor:
-        normed, h = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(self.input_layernorm(x), kv_cache, ctx), x)
-        return h + self.mlp(normed)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H]: the previous layer's MLP output, or the stage's input when `residual` is
+        None (the stage's first layer); residual [T, H]: the residual stream before x is
+        added to it. Returns (this layer's MLP output, the residual stream before it is
+        added): the residual add at a layer's end is done by the next layer's input norm
+        (one fused add + norm) or by the stage's end. The sums are rounded to the model's
+        dtype exactly as `x + residual` rounds them, so the values are those of the layer
+        computed as HF writes it."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        normed, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(normed, kv_cache, ctx), residual)
+        return self.mlp(normed), residual
 
 
 class LlamaInner(nn.Module):
@@ -94,9 +105,13 @@ class LlamaStageModel(nn.Module):
     def forward(self, inputs: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
+        residual: torch.Tensor | None = None
         for layer, kv in zip(self.model.layers.values(), kv_caches, strict=True):
-            x = layer(x, kv, ctx)
-        return self.model.norm(x) if self.model.norm is not None else x
+            x, residual = layer(x, residual, kv, ctx)
+        norm = self.model.norm
+        if residual is None:  # a stage without decoder layers
+            return norm(x) if norm is not None else x
+        return norm.add_and_norm(x, residual)[0] if norm is not None else x + residual
 
     def quantize_fp8(self) -> None:
         """Every decoder layer's projections to e4m3 weights with per-output-feature scales

@@ -58,7 +58,7 @@ def check_skinny(device: str, shapes: tuple[tuple[int, int, int], ...],
     """The weight-streaming kernel against the reference: its products are exact (tf32
     holds e4m3 and bf16/fp16 values), so only the fp32 sums' order and the output's rounding
     differ."""
-    from kernels.fp8_linear_triton import SkinnyLaunch, fp8_linear_triton
+    from kernels.skinny_linear_triton import SkinnyLaunch, skinny_linear_triton
 
     # The launch picked by shape, and K split over 2 and 4 programs (partial sums added by a
     # second kernel), with tiles that do and do not divide K.
@@ -71,8 +71,8 @@ def check_skinny(device: str, shapes: tuple[tuple[int, int, int], ...],
             ref = fp8_linear_ref(x, q, scale)
             tol = (8e-3 if dtype == torch.bfloat16 else 1e-3) * ref.float().abs().max().item()
             for launch in launches:
-                got = fp8_linear_triton(x.to(device), q.to(device), scale.to(device),
-                                        launch).cpu()
+                got = skinny_linear_triton(x.to(device), q.to(device), scale.to(device),
+                                           launch=launch).cpu()
                 assert got.dtype == dtype and got.shape == (m, n)
                 gap = (got.float() - ref.float()).abs().max().item()
                 assert gap <= tol, f"{dtype} {m}x{n}x{k} {launch}: {gap} > {tol}"

@@ -1,0 +1,73 @@
+"""The linear layers' matmuls, dense or fp8, and a merged gate/up projection fused with its
+SiLU-and-mul.
+
+Contracts (the references, also the CPU path):
+- `linear(x, w, bias)` = F.linear(x, w, bias) for a dense weight w [N, K] in x's dtype, and
+  `kernels.fp8_linear.fp8_linear_ref` for an e4m3 weight with its per-output-feature scales;
+- `linear_silu_and_mul(x, w)` = silu_and_mul_ref(linear(x, w)) for a merged weight
+  [gate | up] [2N, K]: [M, N].
+
+On CUDA with Triton, a step of at most `DENSE_STREAMING_ROWS` rows (small decode batches,
+where the step streams the weights) runs the weight-streaming kernel
+(`kernels.skinny_linear_triton`) on dense 16-bit weights, with the SiLU-and-mul in its
+epilogue for the merged projection (one kernel and one [M, 2N] round trip fewer); larger
+steps run cuBLAS (F.linear) and the SiLU-and-mul kernel. The fp8 weights' paths are
+`kernels.fp8_linear`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.fp8_linear import STREAMING_ROWS, fp8_linear, fp8_linear_ref
+from kernels.platform import PLATFORM
+
+# Up to this many rows a dense 16-bit weight is streamed by the Triton kernel rather than
+# multiplied by cuBLAS (`benchmarks.skinny_gemm` on the H200, docs/BENCHMARKS.md).
+DENSE_STREAMING_ROWS = 16
+
+
+def _streams(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether this matmul runs the weight-streaming kernel."""
+    if not (PLATFORM.use_triton and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+            and w.is_contiguous()):
+        return False
+    if scale is not None:
+        return x.shape[0] <= STREAMING_ROWS
+    return (x.shape[0] <= DENSE_STREAMING_ROWS and w.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) -> [M, N] in x's dtype; w [N, K] dense (scale None) or e4m3
+    with scale [N] fp32."""
+    if scale is not None:
+        return fp8_linear(x, w, scale, bias)
+    if _streams(x, w, None):
+        from kernels.skinny_linear_triton import skinny_linear_triton
+
+        y = skinny_linear_triton(x, w)
+        return y if bias is None else y + bias
+    return F.linear(x, w, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, w: torch.Tensor,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for w = [gate | up] [2N, K] (scale [2N] for e4m3):
+    [M, N] in x's dtype, each projection rounded to that dtype before the SiLU-and-mul as
+    `silu_and_mul_ref(linear(x, w))` rounds it."""
+    if _streams(x, w, scale):
+        from kernels.skinny_linear_triton import skinny_linear_triton
+
+        return skinny_linear_triton(x, w, scale, silu=True)
+    return silu_and_mul(linear(x, w, None, scale))
+
+
+def linear_silu_and_mul_ref(x: torch.Tensor, w: torch.Tensor,
+                            scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The contract, on torch ops: the fp8 weights through `fp8_linear_ref`."""
+    y = F.linear(x, w) if scale is None else fp8_linear_ref(x, w, scale)
+    return silu_and_mul_ref(y)
