@@ -56,9 +56,9 @@ from router.outputs import (
     Usage,
     coalesce,
 )
+from router.request_metrics import note_end, note_update
 from router.request_state import RequestState
 from router.requests import GenerateRequest
-from router.scheduler.sequence import FinishReason
 from router.tool_calls.parsers import new_parser
 
 log = logging.getLogger("stagemesh.router")
@@ -304,22 +304,11 @@ class Frontend:
                 state.pending.append(held)
         if state.pending:
             if self.metrics is not None and any(d.token_ids for d in state.pending):
-                self._note_update(state)
+                note_update(self.metrics, state)
             state.outbox += coalesce(state.pending) if len(state.pending) > 1 else state.pending
             state.wake.set()
             state.pending = []
         state.pending_tokens = 0
-
-    def _note_update(self, state: RequestState) -> None:
-        """An update with tokens goes to the request's stream: its TTFT or an ITL."""
-        assert self.metrics is not None
-        now = time.monotonic()
-        if state.first_update is None:
-            state.first_update = now
-            self.metrics.ttft.observe(now - state.arrived)
-        else:
-            self.metrics.itl.observe(now - state.last_update)
-        state.last_update = now
 
     def _on_aborted(self, seq_ids: list[int]) -> None:
         """The core aborted these sequences (an Abort call): each choice ends with finish
@@ -351,7 +340,7 @@ class Frontend:
 
     def _close(self, state: RequestState, last: StreamItem | None) -> None:
         if self.metrics is not None:
-            self._note_end(state, last)
+            note_end(self.metrics, state, last)
         state.done = True
         if last is not None:
             state.outbox.append(last)
@@ -359,25 +348,6 @@ class Frontend:
         self.requests.pop(state.request.request_id, None)
         for seq in state.choices:
             self.seq_owner.pop(seq, None)
-
-    def _note_end(self, state: RequestState, last: StreamItem | None) -> None:
-        """The request ends: completed (`RequestDone`), failed, or aborted (None)."""
-        metrics = self.metrics
-        assert metrics is not None
-        metrics.e2e.observe(time.monotonic() - state.arrived)
-        metrics.generation_tokens.inc(state.completion_tokens)
-        if isinstance(last, RequestFailed):
-            metrics.failures.labels(last.kind.value).inc()
-            return
-        for choice in state.choices.values():
-            reason = choice.finish_reason or FinishReason.ABORT
-            metrics.success.labels(reason.value).inc()
-        if isinstance(last, RequestDone):
-            metrics.prompt_tokens.inc(len(state.request.prompt_token_ids))
-            per_choice = state.completion_tokens / len(state.choices)
-            if state.first_update is not None and per_choice > 1:
-                metrics.tpot.observe((state.last_update - state.first_update)
-                                     / (per_choice - 1))
 
     # --- to the core -----------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """`stagemesh gateway`: argument parsing only. Addresses come from flags or the
-environment, as for the other services (`stagemesh.cli_services`)."""
+environment, as for the other services (`stagemesh.cli_services`, `stagemesh.cli_stage`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagemesh.cli_credentials import add_api_key_args, add_client_tls_args, api_keys, client_tls_of
-from stagemesh.cli_services import SubParsers, add_tracing_arg, at_least_one, env
+from stagemesh.cli_flags import SubParsers, add_tracing_arg, at_least_one, env
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
