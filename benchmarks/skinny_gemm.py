@@ -83,9 +83,9 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]) ->
     finally:
         torch.backends.cuda.preferred_blas_library(saved)
     row["default_ms"] = graph_ms(over_all(lambda w: skinny_linear_triton(x, w)), copies)
-    row["default"] = vars(skinny_launch(out_f, in_f))
+    row["default"] = vars(skinny_launch(out_f, in_f, fp8=False))
     ref_err = (F.linear(x, weights[0]).float() - want).abs().max().item()
-    best: tuple[float, SkinnyLaunch] | None = None
+    row["grid"] = grid = []
     for launch in GRID:
         try:
             got = skinny_linear_triton(x, weights[0], launch=launch)
@@ -95,15 +95,27 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]) ->
         assert err <= 2 * ref_err + 1e-2, f"{name} {launch}: {err} (cuBLAS {ref_err})"
         ms = graph_ms(over_all(lambda w, lc=launch: skinny_linear_triton(x, w, launch=lc)),
                       copies)
-        if best is None or ms < best[0]:
-            best = (ms, launch)
-    assert best is not None
-    row["triton_best_ms"], row["triton_best"] = best[0], vars(best[1])
-    if name == "gate_up_proj":
+        grid.append({**vars(launch), "ms": ms})
+    best = min(grid, key=lambda g: g["ms"])
+    row["triton_best_ms"], row["triton_best"] = best["ms"], best
+    if name == "gate_up_proj":  # the SiLU-and-mul: its own kernel, or in the epilogue
         row["cublas_silu_ms"] = graph_ms(over_all(lambda w: silu_and_mul(F.linear(x, w))),
                                          copies)
         row["fused_silu_ms"] = graph_ms(
             over_all(lambda w: skinny_linear_triton(x, w, silu=True)), copies)
+        fused = []
+        for launch in GRID:
+            if launch.split_k > 2:
+                continue
+            try:
+                skinny_linear_triton(x, weights[0], silu=True, launch=launch)
+            except OutOfResources:
+                continue
+            ms = graph_ms(over_all(
+                lambda w, lc=launch: skinny_linear_triton(x, w, silu=True, launch=lc)), copies)
+            fused.append({**vars(launch), "ms": ms})
+        row["fused_grid"] = fused
+        row["fused_silu_best_ms"] = min(g["ms"] for g in fused)
     for key in ("cublas", "cublaslt", "default", "triton_best"):
         row[f"{key}_of_floor"] = floor_ms / row[f"{key}_ms"]
     return row
@@ -121,12 +133,13 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         for name, (out_f, in_f) in projections(args.shape).items():
             rows.append(case(name, out_f, in_f, m, roof))
-            print(rows[-1], flush=True)
+            print({k: v for k, v in rows[-1].items() if k not in ("grid", "fused_grid")},
+                  flush=True)
     write_json(args.out, {"shape": args.shape, "roofline": roof,
                           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "revision": git_revision()}, rows)
-    print_table([{k: v for k, v in r.items() if k not in ("triton_best", "default")}
-                 for r in rows])
+    print_table([{k: v for k, v in r.items()
+                  if k not in ("triton_best", "default", "grid", "fused_grid")} for r in rows])
 
 
 if __name__ == "__main__":

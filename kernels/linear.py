@@ -8,7 +8,8 @@ Contracts (the references, also the CPU path):
   [gate | up] [2N, K]: [M, N].
 
 On CUDA with Triton, a step of at most `DENSE_STREAMING_ROWS` rows (small decode batches,
-where the step streams the weights) runs the weight-streaming kernel
+where the step streams the weights) through a weight of at most `DENSE_STREAMING_MAX_K`
+inputs runs the weight-streaming kernel
 (`kernels.skinny_linear_triton`) on dense 16-bit weights, with the SiLU-and-mul in its
 epilogue for the merged projection (one kernel and one [M, 2N] round trip fewer); larger
 steps run cuBLAS (F.linear) and the SiLU-and-mul kernel. The fp8 weights' paths are
@@ -24,9 +25,12 @@ from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.fp8_linear import STREAMING_ROWS, fp8_linear, fp8_linear_ref
 from kernels.platform import PLATFORM
 
-# Up to this many rows a dense 16-bit weight is streamed by the Triton kernel rather than
-# multiplied by cuBLAS (`benchmarks.skinny_gemm` on the H200, docs/BENCHMARKS.md).
+# Up to this many rows, and up to DENSE_STREAMING_MAX_K inputs, a dense 16-bit weight is
+# streamed by the Triton kernel rather than multiplied by cuBLAS (`benchmarks.skinny_gemm` on
+# the H200: the kernel was ahead on llama3-8b's qkv, o and gate/up projections, K = 4,096,
+# and behind cuBLAS on down_proj, K = 14,336; docs/BENCHMARKS.md).
 DENSE_STREAMING_ROWS = 16
+DENSE_STREAMING_MAX_K = 8192
 
 
 def _streams(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
@@ -36,8 +40,8 @@ def _streams(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bo
         return False
     if scale is not None:
         return x.shape[0] <= STREAMING_ROWS
-    return (x.shape[0] <= DENSE_STREAMING_ROWS and w.dtype == x.dtype
-            and x.dtype in (torch.bfloat16, torch.float16))
+    return (x.shape[0] <= DENSE_STREAMING_ROWS and w.shape[1] <= DENSE_STREAMING_MAX_K
+            and w.dtype == x.dtype and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -45,20 +45,27 @@ class SkinnyLaunch:
     split_k: int = 1
 
 
-# About this many programs keep enough weight bytes in flight on an H200 (132 SMs); a
-# weight with fewer column blocks splits its K (`benchmarks.fp8_gemm`).
+# About this many programs keep enough e4m3 weight bytes in flight on an H200 (132 SMs); an
+# e4m3 weight with fewer column blocks splits its K (`benchmarks.fp8_gemm`). A 16-bit weight
+# moves twice the bytes per program and splits nothing: on the H200 every split was slower
+# for llama3-8b's bf16 projections (`benchmarks.skinny_gemm`, docs/BENCHMARKS.md).
 TARGET_PROGRAMS = 512
 
 
-def skinny_launch(n: int, k: int) -> SkinnyLaunch:
-    """The launch for a weight of n output columns (a fused SiLU's n is its output's) and
-    k inputs: 64 columns per program and 3 stages from 6,144 columns, 32 and 4 below
-    (llama3-8b's projections on the H200), and K split in up to 8 where the column blocks
-    are fewer than TARGET_PROGRAMS."""
+def skinny_launch(n: int, k: int, *, fp8: bool = True, silu: bool = False) -> SkinnyLaunch:
+    """The launch for a weight of n output columns and k inputs (llama3-8b's projections
+    on the H200): 64 columns per program and 3 stages from 6,144 columns, 32 and 4 below;
+    e4m3 weights split their K in up to 8 where the column blocks are fewer than
+    TARGET_PROGRAMS. silu: n is the SiLU's output, the program reads gate and up rows, so
+    it takes the launch of the 2n-column weight with half its columns."""
+    if silu:
+        half = skinny_launch(2 * n, k, fp8=fp8)
+        return SkinnyLaunch(max(16, half.block_n // 2), half.block_k, half.num_warps,
+                            half.num_stages, half.split_k)
     launch = SkinnyLaunch(block_n=64, num_stages=3) if n >= 6144 else SkinnyLaunch()
     blocks = triton.cdiv(n, launch.block_n)
     split = 1
-    while split < 8 and blocks * split * 2 <= TARGET_PROGRAMS \
+    while fp8 and split < 8 and blocks * split * 2 <= TARGET_PROGRAMS \
             and triton.cdiv(k, launch.block_k) >= split * 2 * 2:
         split *= 2
     return SkinnyLaunch(launch.block_n, launch.block_k, launch.num_warps, launch.num_stages,
@@ -186,7 +193,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor |
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    lc = launch or skinny_launch(n, k)
+    lc = launch or skinny_launch(n, k, fp8=fp8, silu=silu)
     tiles = triton.cdiv(k, lc.block_k)
     splits = max(1, min(lc.split_k, tiles))
     k_tiles = triton.cdiv(tiles, splits)
