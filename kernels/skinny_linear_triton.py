@@ -53,19 +53,24 @@ TARGET_PROGRAMS = 512
 
 
 def skinny_launch(n: int, k: int, *, fp8: bool = True, silu: bool = False) -> SkinnyLaunch:
-    """The launch for a weight of n output columns and k inputs (llama3-8b's projections
-    on the H200): 64 columns per program and 3 stages from 6,144 columns, 32 and 4 below;
-    e4m3 weights split their K in up to 8 where the column blocks are fewer than
-    TARGET_PROGRAMS. silu: n is the SiLU's output, the program reads gate and up rows, so
-    it takes the launch of the 2n-column weight with half its columns."""
+    """The launch for a weight of n output columns and k inputs, from `benchmarks.skinny_gemm`
+    and `benchmarks.fp8_gemm` on llama3-8b's projections on the H200. e4m3: 64 columns per
+    program and 3 stages from 6,144 columns, 32 and 4 below, K split in up to 8 where the
+    column blocks are fewer than TARGET_PROGRAMS; a fused SiLU (n is its output) takes the
+    launch of the 2n-column weight with half its columns. 16-bit: 64 columns from 6,144 and
+    32 below, 4 stages, and the fused SiLU 64 columns (128 weight rows) with 3 stages."""
+    if not fp8:
+        if silu:
+            return SkinnyLaunch(block_n=64, num_stages=3)
+        return SkinnyLaunch(block_n=64) if n >= 6144 else SkinnyLaunch()
     if silu:
-        half = skinny_launch(2 * n, k, fp8=fp8)
-        return SkinnyLaunch(max(16, half.block_n // 2), half.block_k, half.num_warps,
-                            half.num_stages, half.split_k)
+        whole = skinny_launch(2 * n, k)
+        return SkinnyLaunch(max(16, whole.block_n // 2), whole.block_k, whole.num_warps,
+                            whole.num_stages, whole.split_k)
     launch = SkinnyLaunch(block_n=64, num_stages=3) if n >= 6144 else SkinnyLaunch()
     blocks = triton.cdiv(n, launch.block_n)
     split = 1
-    while fp8 and split < 8 and blocks * split * 2 <= TARGET_PROGRAMS \
+    while split < 8 and blocks * split * 2 <= TARGET_PROGRAMS \
             and triton.cdiv(k, launch.block_k) >= split * 2 * 2:
         split *= 2
     return SkinnyLaunch(launch.block_n, launch.block_k, launch.num_warps, launch.num_stages,
