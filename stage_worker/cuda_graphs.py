@@ -9,9 +9,11 @@ tables and KV slots are computed from them inside the graph. A batch of n sequen
 in the graph of the smallest bucket >= n; the padding rows read the tables' padding row and
 decode position 0 of a scratch KV block no sequence owns.
 
-Used on CUDA with the Triton attention kernel and TP size 1 (capturing NCCL collectives
-is not wired); prefill and mixed steps, and decode batches above the largest bucket or with
-longer block tables than the tables hold, run eagerly.
+Used on CUDA with the Triton attention kernel, at TP size 1 or over an NCCL group (the
+row-parallel layers' all-reduces are captured; the warm-up passes before each capture run
+them eagerly first, which creates the communicator); prefill and mixed steps, and decode
+batches above the largest bucket or with longer block tables than the tables hold, run
+eagerly.
 """
 
 from __future__ import annotations

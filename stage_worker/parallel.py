@@ -29,6 +29,13 @@ class TPGroup:
         if self.size > 1 and self.group is None:
             raise ValueError("a TP group of size > 1 needs a process group")
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can capture this group's collectives: none at size 1, NCCL's
+        (which records them as graph nodes) otherwise; gloo's run on the host."""
+        return self.size == 1 or (self.group is not None
+                                  and dist.get_backend(self.group) == "nccl")
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place; returns it."""
         if self.size == 1:

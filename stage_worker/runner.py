@@ -184,8 +184,11 @@ class StageRunner(ModelRunner):
                  time.monotonic() - started)
 
     def _graphs_supported(self) -> bool:
-        # Graphs capture the Triton attention (the reference's shapes depend on the batch).
-        return (self.cfg.cuda_graphs and self.tp.size == 1
+        # Graphs capture the Triton attention (the reference's shapes depend on the batch)
+        # and, at TP > 1, the layers' NCCL all-reduces: every rank captures the same
+        # buckets in the same order at start-up and replays the same one for a step (its
+        # plan is the same on every rank), so the captured collectives pair up.
+        return (self.cfg.cuda_graphs and self.tp.capturable
                 and uses_triton_kernel(self.cfg.device, self.cfg.block_size,
                                        self.model_cfg.head_dim))
 
