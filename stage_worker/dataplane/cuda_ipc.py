@@ -7,8 +7,8 @@ recorded by the sender after writing the slot, and *free*, created and recorded 
 receiver after copying a message out of it. Memory and event handles are exported with CUDA
 IPC (memory through CuPy, events through torch) and travel as raw bytes, never pickled.
 
-A TCP link (`TcpTransport`, with the same link token, keepalive and close semantics) runs
-beside the ring and carries everything small::
+The side link (`side_link`: TCP, with the link token) runs beside the ring and carries
+everything small::
 
     listener -> connector   setup   step 0: [meta int64[4] = (version, slots, slot_bytes,
                                     device index), memory handle uint8[64],
@@ -38,9 +38,6 @@ This module holds the two ends of a linked ring; `cuda_ipc_setup` makes them (th
 from __future__ import annotations
 
 import contextlib
-import functools
-import logging
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -48,6 +45,7 @@ from typing import Any
 
 import torch
 
+from stage_worker.dataplane.config import TransportKind
 from stage_worker.dataplane.cuda_ipc_slots import (
     RingConfig,
     SlotEntry,
@@ -55,35 +53,20 @@ from stage_worker.dataplane.cuda_ipc_slots import (
     encode_descriptor,
     layout,
 )
-from stage_worker.dataplane.tcp import TcpTransport
-from stage_worker.dataplane.transport import (
-    LinkClosedError,
-    ProtocolError,
-    Transport,
-    TransportError,
-    TransportTimeout,
+from stage_worker.dataplane.side_link import (
+    CreditedSender,
+    SideLinkEnd,
+    time_left,
+    unavailable_reason,
 )
+from stage_worker.dataplane.tcp import TcpTransport
+from stage_worker.dataplane.transport import ProtocolError
 from stage_worker.dataplane.wire import MAX_STEP_ID
 
-logger = logging.getLogger(__name__)
-
 RETIRE_AFTER_S = 10.0  # a closed ring is freed this long after (the peer unmapped it)
-_NO_SLOT = -1  # the credit queue's "link closed" marker
 # Rings whose link closed: (when, device index, pointer), freed RETIRE_AFTER_S later.
 _RETIRED: list[tuple[float, int, int]] = []
 _RETIRED_LOCK = threading.Lock()
-
-
-@functools.cache
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why this process cannot offer ``cuda_ipc`` on ``device`` (None: it can)."""
-    if device.type != "cuda":
-        return f"the stage runs on {device.type}, not a CUDA device"
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return "cupy is not installed (pip install 'stagemesh[gpu]')"
-    return None
 
 
 # --- the device side --------------------------------------------------------------------
@@ -128,29 +111,19 @@ def _slot_views(buffer: torch.Tensor, base: int, entries: Sequence[SlotEntry]
             for e in entries]
 
 
-class CudaIpcReceiver(Transport):
+class CudaIpcReceiver(SideLinkEnd):
     """The listener's end: receives into its ring. ``send`` is not supported (one-way)."""
+
+    kind = TransportKind.CUDA_IPC
 
     def __init__(self, side: TcpTransport, ring: _Ring,
                  free_events: list[torch.cuda.Event],
                  ready_events: list[torch.cuda.Event]) -> None:
-        self._side = side
+        super().__init__(side)
         self._ring = ring
         self._free = free_events
         self._ready = ready_events
         self._device = ring.config.device
-        self.peer = side.peer
-        self._close_lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed or self._side.closed
-
-    def send(self, step_id: int, tensors: Sequence[torch.Tensor],
-             timeout_s: float | None = None) -> None:
-        raise TransportError("a cuda_ipc link carries data from the connector to the "
-                             "listener only")
 
     def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
         step_id, desc = self._side.recv_any(timeout_s)
@@ -168,42 +141,31 @@ class CudaIpcReceiver(Transport):
         self._side.send(slot, [])  # the credit: the sender waits for `free` on its stream
         return step_id, out
 
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._side.close()
+    def _release(self) -> None:
         self._ring.retire()
 
 
-class CudaIpcSender(Transport):
-    """The connector's end: writes into the receiver's ring. ``recv`` is not supported."""
+class CudaIpcSender(CreditedSender):
+    """The connector's end: writes into the receiver's ring. ``recv`` is not supported.
+    Its credits are the ring's slot indices: a slot is written only once the receiver
+    returned it (a slow receiver is never overwritten)."""
+
+    kind = TransportKind.CUDA_IPC
+    _CREDIT_UNIT = "slot"
+    _STARVED = "no cuda_ipc slot freed in time"
 
     def __init__(self, side: TcpTransport, device: torch.device, peer_ptr: int,
                  ring: RingConfig, free_events: list[torch.cuda.Event],
                  ready_events: list[torch.cuda.Event]) -> None:
-        self._side = side
+        super().__init__(side, range(ring.slots))
         self._device = device
         self._ptr = peer_ptr
         self._ring = ring
         self._buffer = _wrap(peer_ptr, ring.total_bytes, _device_index(device))
         self._free = free_events
         self._ready = ready_events
-        self.peer = side.peer
-        self._credits: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(ring.slots):
-            self._credits.put(slot)
-        self._send_lock = threading.Lock()
-        self._close_lock = threading.Lock()
-        self._closed = False
         self._unmapped = False
-        threading.Thread(target=self._read_credits, daemon=True,
-                         name="cuda-ipc-credits").start()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed or self._side.closed
+        self._start_credit_reader()
 
     def send(self, step_id: int, tensors: Sequence[torch.Tensor],
              timeout_s: float | None = None) -> None:
@@ -216,26 +178,18 @@ class CudaIpcSender(Transport):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._send_lock:
             self._raise_if_closed()
-            slot = self._take_slot(step_id, deadline)
+            slot = self._take_credit(step_id, deadline)
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(self._free[slot])
             views = _slot_views(self._buffer, slot * self._ring.stride, entries)
             for view, t in zip(views, tensors, strict=True):
                 view.copy_(t, non_blocking=True)
             self._ready[slot].record(stream)
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+            remaining = None if deadline is None else time_left(deadline)
             self._side.send(step_id, [encode_descriptor(slot, entries)], timeout_s=remaining)
 
-    def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
-        raise TransportError("a cuda_ipc link carries data from the connector to the "
-                             "listener only")
-
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._side.close()  # wakes a send waiting for a credit (the reader ends)
+    def _release(self) -> None:
+        # The side link is closed (a send waiting for a credit wakes: the reader ends).
         # Unmap once no send is writing; a send blocked elsewhere keeps the mapping (the
         # process ends soon, or the receiver's retired ring outlives it).
         if self._send_lock.acquire(timeout=5.0):
@@ -253,39 +207,6 @@ class CudaIpcSender(Transport):
         with contextlib.suppress(Exception), _on_device(_device_index(self._device)):
             torch.cuda.current_stream(self._device).synchronize()  # no write still queued
             runtime.ipcCloseMemHandle(self._ptr)
-
-    def _take_slot(self, step_id: int, deadline: float | None) -> int:
-        """A slot the receiver has released; blocks while every slot is in flight."""
-        try:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            slot = self._credits.get(timeout=remaining)
-        except queue.Empty:
-            raise TransportTimeout(f"send of step {step_id} to {self.peer}: no cuda_ipc slot "
-                                   "freed in time (the receiver is not reading)",
-                                   link_closed=False) from None
-        if slot == _NO_SLOT:
-            self._credits.put(_NO_SLOT)  # for the next caller too
-            raise LinkClosedError(f"cuda_ipc link to {self.peer} is closed")
-        return slot
-
-    def _read_credits(self) -> None:
-        try:
-            while True:
-                slot, tensors = self._side.recv_any(None)
-                if tensors or not 0 <= slot < self._ring.slots:
-                    raise ProtocolError(f"cuda_ipc credit for slot {slot} with "
-                                        f"{len(tensors)} tensors")
-                self._credits.put(slot)
-        except TransportError as e:
-            if not self._closed:
-                logger.info("cuda_ipc link to %s ended: %s", self.peer, e)
-        finally:
-            self._side.close()
-            self._credits.put(_NO_SLOT)
-
-    def _raise_if_closed(self) -> None:
-        if self.closed:
-            raise LinkClosedError(f"cuda_ipc link to {self.peer} is closed")
 
 
 # --- small helpers ------------------------------------------------------------------------

@@ -6,15 +6,12 @@ handles. All over the plain TCP side link, as raw bytes."""
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from stage_worker.dataplane.config import DataPlaneConfig, LinkSpec, TransportKind
+from stage_worker.dataplane.config import DataPlaneConfig, TransportKind
 from stage_worker.dataplane.cuda_ipc import (
     CudaIpcReceiver,
     CudaIpcSender,
@@ -24,16 +21,15 @@ from stage_worker.dataplane.cuda_ipc import (
     unavailable_reason,
 )
 from stage_worker.dataplane.cuda_ipc_slots import RingConfig
-from stage_worker.dataplane.tcp import TcpListener, TcpTransport
-from stage_worker.dataplane.transport import (
-    LinkListener,
-    LinkRefusedError,
-    ProtocolError,
-    TransportError,
-    TransportTimeout,
+from stage_worker.dataplane.side_link import (
+    SideLinkListener,
+    connect_side,
+    raw_bytes,
+    refuse_if_unavailable,
+    time_left,
 )
-
-logger = logging.getLogger(__name__)
+from stage_worker.dataplane.tcp import TcpTransport
+from stage_worker.dataplane.transport import LinkRefusedError, ProtocolError
 
 SETUP_VERSION = 1
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
@@ -41,37 +37,17 @@ _CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _DEFAULT_CONFIG = DataPlaneConfig()
 
 
-class CudaIpcListener(LinkListener):
-    """A `TcpListener` for the side link; each accepted peer gets a fresh ring."""
+class CudaIpcListener(SideLinkListener[CudaIpcReceiver]):
+    """A `SideLinkListener`; each accepted peer gets a fresh ring. Raises ValueError where
+    cuda_ipc is not available on the ring's device."""
+
+    kind = TransportKind.CUDA_IPC
 
     def __init__(self, host: str, port: int = 0, *, token: bytes, ring: RingConfig,
                  config: DataPlaneConfig = _DEFAULT_CONFIG) -> None:
-        reason = unavailable_reason(ring.device)
-        if reason is not None:
-            raise ValueError(f"cuda_ipc is not available here: {reason}")
-        # The side link carries credits both ways, and a TLS link serialises its two
-        # directions: it stays plain (the bytes never leave the host).
-        self._tcp = TcpListener(host, port, token=token, config=replace(config, tls=None))
+        refuse_if_unavailable(self.kind, unavailable_reason(ring.device), ValueError)
+        super().__init__(host, port, token=token, config=config)
         self._ring = ring
-        self._config = config
-
-    @property
-    def spec(self) -> LinkSpec:
-        host, port = self._tcp.address
-        return LinkSpec(TransportKind.CUDA_IPC, host, port, self._tcp.spec.token)
-
-    def accept(self, timeout_s: float) -> CudaIpcReceiver:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            side = self._tcp.accept(max(deadline - time.monotonic(), 1e-3))
-            try:
-                return self._set_up(side, deadline)
-            except (TransportError, ValueError) as e:
-                side.close()
-                logger.warning("cuda_ipc peer %s dropped during set-up: %s", side.peer, e)
-                if time.monotonic() >= deadline:
-                    raise TransportTimeout(f"no cuda_ipc peer set up within {timeout_s}s",
-                                           link_closed=False) from e
 
     def _set_up(self, side: TcpTransport, deadline: float) -> CudaIpcReceiver:
         cfg = self._ring
@@ -82,10 +58,9 @@ class CudaIpcListener(LinkListener):
                 free_handles = [_handle_bytes(e.ipc_handle()) for e in free]
             meta = torch.tensor([SETUP_VERSION, cfg.slots, cfg.slot_bytes,
                                  _device_index(cfg.device)], dtype=torch.int64)
-            timeout = max(deadline - time.monotonic(), 1e-3)
             side.send(0, [meta, _bytes_tensor(ring.handle), _bytes_tensor(*free_handles)],
-                      timeout_s=timeout)
-            step, answer = side.recv_any(max(deadline - time.monotonic(), 1e-3))
+                      timeout_s=time_left(deadline))
+            step, answer = side.recv_any(time_left(deadline))
             handles = _handles(answer, cfg.slots, "ready-event")
             if step != 0:
                 raise ProtocolError(f"cuda_ipc set-up answer for step {step}")
@@ -95,9 +70,6 @@ class CudaIpcListener(LinkListener):
             ring.retire()
             raise
         return CudaIpcReceiver(side, ring, free, ready)
-
-    def close(self) -> None:
-        self._tcp.close()
 
 
 def connect(host: str, port: int, *, token: bytes, timeout_s: float, device: torch.device,
@@ -109,23 +81,15 @@ def connect(host: str, port: int, *, token: bytes, timeout_s: float, device: tor
             (another host, or GPUs without IPC between them: link the hop over TCP).
         LinkUnreachableError, TransportTimeout, ProtocolError: as `TcpTransport.connect`.
     """
-    reason = unavailable_reason(device)
-    if reason is not None:
-        raise LinkRefusedError(f"cuda_ipc is not available here: {reason}")
-    deadline = time.monotonic() + timeout_s
-    side = TcpTransport.connect(host, port, token=token, timeout_s=timeout_s,
-                                config=replace(config, tls=None))  # see CudaIpcListener
-    try:
-        return _map_ring(side, device, deadline)
-    except BaseException:
-        side.close()
-        raise
+    refuse_if_unavailable(TransportKind.CUDA_IPC, unavailable_reason(device), LinkRefusedError)
+    return connect_side(host, port, token=token, timeout_s=timeout_s, config=config,
+                        set_up=lambda side, deadline: _map_ring(side, device, deadline))
 
 
 def _map_ring(side: TcpTransport, device: torch.device, deadline: float) -> CudaIpcSender:
     from cupy.cuda import runtime
 
-    step, setup = side.recv_any(max(deadline - time.monotonic(), 1e-3))
+    step, setup = side.recv_any(time_left(deadline))
     if step != 0 or len(setup) != 3 or setup[0].dtype != torch.int64 or setup[0].numel() != 4:
         raise ProtocolError("cuda_ipc set-up message is malformed")
     version, slots, slot_bytes, _peer_device = setup[0].tolist()
@@ -149,8 +113,7 @@ def _map_ring(side: TcpTransport, device: torch.device, deadline: float) -> Cuda
             free = [torch.cuda.Event.from_ipc_handle(device, h) for h in free_handles]
             ready = [torch.cuda.Event(interprocess=True) for _ in range(slots)]
             ready_handles = [_handle_bytes(e.ipc_handle()) for e in ready]
-        side.send(0, [_bytes_tensor(*ready_handles)],
-                  timeout_s=max(deadline - time.monotonic(), 1e-3))
+        side.send(0, [_bytes_tensor(*ready_handles)], timeout_s=time_left(deadline))
         return CudaIpcSender(side, device, ptr, ring, free, ready)
     except BaseException:
         with contextlib.suppress(Exception), _on_device(index):
@@ -167,8 +130,7 @@ def _handle_bytes(handle: Any) -> bytes:
 
 def _bytes_tensor(*handles: bytes) -> torch.Tensor:
     """uint8[len(handles), 64] of raw handle bytes."""
-    return torch.frombuffer(bytearray(b"".join(handles)), dtype=torch.uint8).view(
-        len(handles), IPC_HANDLE_BYTES)
+    return raw_bytes(b"".join(handles)).view(len(handles), IPC_HANDLE_BYTES)
 
 
 def _handles(tensors: Sequence[torch.Tensor], count: int, what: str) -> list[bytes]:

@@ -2,8 +2,8 @@
 
 Each link is a 2-rank NCCL communicator of its own (the listener is rank 0 and receives, the
 connector is rank 1 and sends), made from a unique id that the listener draws and sends over
-a plain TCP side link (`TcpTransport`, with the same link token, keepalive and close
-semantics). The side link carries everything small, as raw bytes, never pickled::
+the side link (`side_link`: plain TCP, with the link token, keepalive and close semantics).
+The side link carries everything small, as raw bytes, never pickled::
 
     listener -> connector   setup   step 0: [meta int64[4] = (version, credits, device index,
                                     id bytes), unique id uint8[id bytes]]
@@ -42,32 +42,28 @@ listener, `connect`).
 
 from __future__ import annotations
 
-import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Sequence
 
 import torch
 
+from stage_worker.dataplane.config import TransportKind
 from stage_worker.dataplane.nccl_backend import NcclComm
+from stage_worker.dataplane.side_link import CreditedSender, SideLinkEnd, time_left
 from stage_worker.dataplane.tcp import TcpTransport
 from stage_worker.dataplane.transport import (
     LinkClosedError,
     ProtocolError,
-    Transport,
     TransportError,
     TransportTimeout,
 )
 from stage_worker.dataplane.wire import DTYPE_CODES, MAX_NDIM, MAX_STEP_ID, MAX_TENSORS
 
-logger = logging.getLogger(__name__)
-
 ENTRY_WIDTH = 2 + MAX_NDIM  # dtype code, ndim, dims
 DEFAULT_CREDITS = 4  # messages in flight per link
 _CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-_CLOSED = -1  # the credit queue's "link closed" marker
 
 
 # --- the descriptor ------------------------------------------------------------------------
@@ -129,50 +125,19 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 # --- the two ends ------------------------------------------------------------------------
 
 
-class _NcclEnd(Transport):
-    """What both ends share: the side link, the communicator, closing."""
-
-    def __init__(self, side: TcpTransport, comm: NcclComm, device: torch.device) -> None:
-        self._side = side
-        self._comm = comm
-        self._device = device
-        self.peer = side.peer
-        self._close_lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed or self._side.closed
-
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._side.close()  # the peer sees EOF and aborts its end
-        self._comm.abort()
-
-    def _raise_if_closed(self) -> None:
-        if self.closed:
-            raise LinkClosedError(f"nccl link to {self.peer} is closed")
-
-    def _one_way(self) -> TransportError:
-        return TransportError("an nccl link carries data from the connector to the listener "
-                              "only")
-
-
-class NcclReceiver(_NcclEnd):
+class NcclReceiver(SideLinkEnd):
     """The listener's end (rank 0): receives. ``send`` is not supported (one-way)."""
+
+    kind = TransportKind.NCCL
+    _ARTICLE = "an"
 
     def __init__(self, side: TcpTransport, comm: NcclComm, device: torch.device,
                  max_message_bytes: int) -> None:
-        super().__init__(side, comm, device)
+        super().__init__(side)
+        self._comm = comm
+        self._device = device
         self._max_bytes = max_message_bytes
         self._recv_lock = threading.Lock()
-
-    def send(self, step_id: int, tensors: Sequence[torch.Tensor],
-             timeout_s: float | None = None) -> None:
-        raise self._one_way()
 
     def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
         with self._recv_lock:
@@ -204,19 +169,25 @@ class NcclReceiver(_NcclEnd):
                 raise LinkClosedError(f"nccl receive from {self.peer} failed: {e}") from e
             return step_id, out
 
+    def _release(self) -> None:
+        self._comm.abort()  # the peer sees the side link's EOF and aborts its end
 
-class NcclSender(_NcclEnd):
-    """The connector's end (rank 1): sends. ``recv`` is not supported."""
+
+class NcclSender(CreditedSender):
+    """The connector's end (rank 1): sends. ``recv`` is not supported. Its credits are all
+    0: any ``credits`` messages may be in flight."""
+
+    kind = TransportKind.NCCL
+    _ARTICLE = "an"
+    _CREDIT_UNIT = "step"
+    _STARVED = "every nccl credit is in flight"
 
     def __init__(self, side: TcpTransport, comm: NcclComm, device: torch.device,
                  credits: int) -> None:
-        super().__init__(side, comm, device)
-        self._credits: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for _ in range(credits):
-            self._credits.put(0)
-        self._send_lock = threading.Lock()
-        threading.Thread(target=self._read_credits, daemon=True,
-                         name="nccl-credits").start()
+        super().__init__(side, [0] * credits)
+        self._comm = comm
+        self._device = device
+        self._start_credit_reader()
 
     def send(self, step_id: int, tensors: Sequence[torch.Tensor],
              timeout_s: float | None = None) -> None:
@@ -228,16 +199,16 @@ class NcclSender(_NcclEnd):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._send_lock:
             self._raise_if_closed()
-            self._take_credit(step_id, deadline)
+            credit = self._take_credit(step_id, deadline)
             # Copies (another device, strided) are made on the caller's stream; they stay
             # referenced until the caller's stream waits for the sends.
             payload = [t.to(self._device).contiguous() for t in tensors]
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+            remaining = None if deadline is None else time_left(deadline)
             try:
                 self._side.send(step_id, [desc], timeout_s=remaining)
             except TransportTimeout as e:
                 if not e.link_closed:
-                    self._credits.put(0)  # nothing went out: the credit is still ours
+                    self._credits.put(credit)  # nothing went out: the credit is still ours
                 raise
             try:
                 self._comm.order_after_caller()
@@ -249,36 +220,11 @@ class NcclSender(_NcclEnd):
                 self.close()
                 raise LinkClosedError(f"nccl send to {self.peer} failed: {e}") from e
 
-    def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
-        raise self._one_way()
+    def _release(self) -> None:
+        self._comm.abort()  # the peer sees the side link's EOF and aborts its end
 
-    def _take_credit(self, step_id: int, deadline: float | None) -> None:
-        """Blocks while ``credits`` messages are in flight."""
-        try:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            credit = self._credits.get(timeout=remaining)
-        except queue.Empty:
-            raise TransportTimeout(f"send of step {step_id} to {self.peer}: every nccl credit "
-                                   "is in flight (the receiver is not reading)",
-                                   link_closed=False) from None
-        if credit == _CLOSED:
-            self._credits.put(_CLOSED)  # for the next caller too
-            raise LinkClosedError(f"nccl link to {self.peer} is closed")
-
-    def _read_credits(self) -> None:
-        try:
-            while True:
-                step, tensors = self._side.recv_any(None)
-                if step != 0 or tensors:
-                    raise ProtocolError(f"nccl credit for step {step} with {len(tensors)} "
-                                        "tensors")
-                self._credits.put(0)
-        except TransportError as e:
-            if not self._closed:
-                logger.info("nccl link to %s ended: %s", self.peer, e)
-        finally:
-            self.close()  # the peer is gone: end the communicator (queued sends end)
-            self._credits.put(_CLOSED)  # then wake a send waiting for a credit
+    def _credits_ended(self) -> None:
+        self.close()  # the peer is gone: end the communicator (queued sends end)
 
 
 __all__ = ["NcclReceiver", "NcclSender", "decode_descriptor", "encode_descriptor"]

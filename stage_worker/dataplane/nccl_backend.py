@@ -12,18 +12,22 @@ from typing import Any, Protocol
 
 import torch
 
+from stage_worker.dataplane.side_link import NO_CUPY
+from stage_worker.dataplane.side_link import unavailable_reason as gpu_unavailable_reason
+
 logger = logging.getLogger(__name__)
 
 
 @functools.cache
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why this process cannot offer ``nccl`` on ``device`` (None: it can)."""
-    if device.type != "cuda":
-        return f"the stage runs on {device.type}, not a CUDA device"
+    """Why this process cannot offer ``nccl`` on ``device`` (None: it can): as for any GPU
+    transport (`side_link.unavailable_reason`), and cupy must have been built with NCCL."""
+    if (reason := gpu_unavailable_reason(device)) is not None:
+        return reason
     try:
         from cupy.cuda import nccl
     except ImportError:
-        return "cupy is not installed (pip install 'stagemesh[gpu]')"
+        return NO_CUPY
     if not getattr(nccl, "available", True):
         return "cupy was built without NCCL (cupy.cuda.nccl is not available)"
     return None

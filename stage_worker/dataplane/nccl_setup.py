@@ -5,13 +5,11 @@ communicator (listener rank 0, connector rank 1). Raw bytes, never pickled."""
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import replace
+from collections.abc import Callable
 
 import torch
 
-from stage_worker.dataplane.config import DataPlaneConfig, LinkSpec, TransportKind
+from stage_worker.dataplane.config import DataPlaneConfig, TransportKind
 from stage_worker.dataplane.nccl import DEFAULT_CREDITS, NcclReceiver, NcclSender
 from stage_worker.dataplane.nccl_backend import (
     CupyNccl,
@@ -19,17 +17,15 @@ from stage_worker.dataplane.nccl_backend import (
     NcclComm,
     unavailable_reason,
 )
-from stage_worker.dataplane.tcp import TcpListener, TcpTransport
-from stage_worker.dataplane.transport import (
-    LinkClosedError,
-    LinkListener,
-    LinkRefusedError,
-    ProtocolError,
-    TransportError,
-    TransportTimeout,
+from stage_worker.dataplane.side_link import (
+    SideLinkListener,
+    connect_side,
+    raw_bytes,
+    refuse_if_unavailable,
+    time_left,
 )
-
-logger = logging.getLogger(__name__)
+from stage_worker.dataplane.tcp import TcpTransport
+from stage_worker.dataplane.transport import LinkClosedError, LinkRefusedError, ProtocolError
 
 SETUP_VERSION = 1
 UNIQUE_ID_BYTES = 128  # ncclUniqueId
@@ -37,59 +33,39 @@ MAX_CREDITS = 64
 _DEFAULT_CONFIG = DataPlaneConfig()
 
 
-def _check_here(device: torch.device, backend: NcclBackend | None) -> NcclBackend:
-    """The backend to use: the real one where NCCL works on ``device``; a given one as is."""
+def _check_here(device: torch.device, backend: NcclBackend | None,
+                error: Callable[[str], Exception]) -> NcclBackend:
+    """The backend to use: the real one where NCCL works on ``device`` (else ``error``); a
+    given one as is."""
     if backend is not None:
         return backend
-    reason = unavailable_reason(device)
-    if reason is not None:
-        raise LinkRefusedError(f"nccl is not available here: {reason}")
+    refuse_if_unavailable(TransportKind.NCCL, unavailable_reason(device), error)
     return CupyNccl()
 
 
-class NcclListener(LinkListener):
-    """A `TcpListener` for the side link; each accepted peer gets a fresh communicator.
+class NcclListener(SideLinkListener[NcclReceiver]):
+    """A `SideLinkListener`; each accepted peer gets a fresh communicator.
 
     Args:
         device: where received tensors are allocated (this stage's device).
         credits: messages in flight at most (the receiver returns one per message taken up).
         backend: the NCCL calls (None: cupy's; the tests pass a stand-in).
+
+    Raises:
+        ValueError: credits out of range, or nccl not available on ``device``.
     """
+
+    kind = TransportKind.NCCL
 
     def __init__(self, host: str, port: int = 0, *, token: bytes, device: torch.device,
                  config: DataPlaneConfig = _DEFAULT_CONFIG, credits: int = DEFAULT_CREDITS,
                  backend: NcclBackend | None = None) -> None:
         if not 0 < credits <= MAX_CREDITS:
             raise ValueError(f"credits must be in 1..{MAX_CREDITS}, got {credits}")
-        try:
-            self._backend = _check_here(device, backend)
-        except LinkRefusedError as e:
-            raise ValueError(str(e)) from None
-        # Credits flow back while data flows forward, and a TLS link serialises its two
-        # directions: the side link stays plain (it carries step ids, shapes and the unique
-        # id, never activations; the token still authenticates the peer).
-        self._tcp = TcpListener(host, port, token=token, config=replace(config, tls=None))
+        self._backend = _check_here(device, backend, ValueError)
+        super().__init__(host, port, token=token, config=config)
         self._device = device
-        self._config = config
         self._credits = credits
-
-    @property
-    def spec(self) -> LinkSpec:
-        host, port = self._tcp.address
-        return LinkSpec(TransportKind.NCCL, host, port, self._tcp.spec.token)
-
-    def accept(self, timeout_s: float) -> NcclReceiver:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            side = self._tcp.accept(max(deadline - time.monotonic(), 1e-3))
-            try:
-                return self._set_up(side, deadline)
-            except (TransportError, ValueError) as e:
-                side.close()
-                logger.warning("nccl peer %s dropped during set-up: %s", side.peer, e)
-                if time.monotonic() >= deadline:
-                    raise TransportTimeout(f"no nccl peer set up within {timeout_s}s",
-                                           link_closed=False) from e
 
     def _set_up(self, side: TcpTransport, deadline: float) -> NcclReceiver:
         unique_id = self._backend.unique_id()
@@ -98,16 +74,12 @@ class NcclListener(LinkListener):
         index = self._device.index if self._device.index is not None else -1
         meta = torch.tensor([SETUP_VERSION, self._credits, index, len(unique_id)],
                             dtype=torch.int64)
-        side.send(0, [meta, _bytes_tensor(unique_id)],
-                  timeout_s=max(deadline - time.monotonic(), 1e-3))
-        step, answer = side.recv_any(max(deadline - time.monotonic(), 1e-3))
+        side.send(0, [meta, raw_bytes(unique_id)], timeout_s=time_left(deadline))
+        step, answer = side.recv_any(time_left(deadline))
         if step != 0 or answer:
             raise ProtocolError(f"nccl join answer for step {step} with {len(answer)} tensors")
         comm = _join(self._backend, unique_id, 0, self._device)
         return NcclReceiver(side, comm, self._device, self._config.max_message_bytes)
-
-    def close(self) -> None:
-        self._tcp.close()
 
 
 def connect(host: str, port: int, *, token: bytes, timeout_s: float, device: torch.device,
@@ -121,19 +93,16 @@ def connect(host: str, port: int, *, token: bytes, timeout_s: float, device: tor
         LinkUnreachableError, TransportTimeout, ProtocolError: as `TcpTransport.connect`.
         LinkClosedError: the communicator could not be made (the peer went away).
     """
-    backend = _check_here(device, backend)
-    deadline = time.monotonic() + timeout_s
-    side = TcpTransport.connect(host, port, token=token, timeout_s=timeout_s,
-                                config=replace(config, tls=None))  # see NcclListener
-    try:
-        step, setup = side.recv_any(max(deadline - time.monotonic(), 1e-3))
+    backend = _check_here(device, backend, LinkRefusedError)
+
+    def join(side: TcpTransport, deadline: float) -> NcclSender:
+        step, setup = side.recv_any(time_left(deadline))
         unique_id, credits = _read_setup(step, setup)
-        side.send(0, [], timeout_s=max(deadline - time.monotonic(), 1e-3))  # joining
-        comm = _join(backend, unique_id, 1, device)
-        return NcclSender(side, comm, device, credits)
-    except BaseException:
-        side.close()
-        raise
+        side.send(0, [], timeout_s=time_left(deadline))  # joining
+        return NcclSender(side, _join(backend, unique_id, 1, device), device, credits)
+
+    return connect_side(host, port, token=token, timeout_s=timeout_s, config=config,
+                        set_up=join)
 
 
 def _read_setup(step: int, setup: list[torch.Tensor]) -> tuple[bytes, int]:
@@ -157,7 +126,3 @@ def _join(backend: NcclBackend, unique_id: bytes, rank: int, device: torch.devic
     except Exception as e:  # cupy's NcclError: the peer went away, no route between hosts
         raise LinkClosedError(f"cannot make the nccl communicator (rank {rank} on {device}): "
                               f"{e}") from e
-
-
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -295,6 +295,21 @@ def test_credits_bound_the_messages_in_flight() -> None:
         assert not sender.closed
 
 
+def test_a_credit_never_given_out_ends_the_link(caplog: pytest.LogCaptureFixture) -> None:
+    backend = LoopbackNccl()
+    sender, receiver = _pair(backend)
+    with sender, receiver, caplog.at_level(logging.INFO):
+        receiver._side.send(3, [])  # nccl credits are all for step 0
+        deadline = time.monotonic() + 10
+        while not sender.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(LinkClosedError, match=r"nccl link to \S+ is closed"):
+            sender.send(1, [torch.zeros(1)], timeout_s=5)
+        rank0, rank1 = sorted(backend.comms, key=lambda c: c.rank)
+        assert rank1.aborted and not rank0.aborted  # the receiver sees EOF when it reads
+    assert "nccl credit for step 3 with 0 tensors" in caplog.text
+
+
 def test_links_are_one_way() -> None:
     sender, receiver = _pair(LoopbackNccl())
     with sender, receiver:
