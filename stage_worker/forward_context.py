@@ -16,10 +16,12 @@ class ForwardContext:
     positions:    [T] int64, absolute position of each new token
     cos, sin:     [T, head_dim] fp32 rope tables for those positions
     slot_mapping: [T] int64, flat KV slot (block * block_size + offset) of each new token
+    attn:         the step's attention layout; None in the pieces of a step that run no
+                  attention (`stage_worker.mixed_graphs` captures them apart)
     """
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     slot_mapping: torch.Tensor
-    attn: PagedAttentionMetadata
+    attn: PagedAttentionMetadata | None

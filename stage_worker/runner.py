@@ -20,6 +20,7 @@ from stage_worker.held_seqs import HeldSeq
 from stage_worker.host_transfer import to_device, upload
 from stage_worker.kv_pool import KVPool, KVPoolShape
 from stage_worker.loader import load_stage_weights, load_stage_weights_from_tensors
+from stage_worker.mixed_graphs import MixedGraphs
 from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.parallel import TPGroup, shard_heads
@@ -105,6 +106,7 @@ class StageRunner(ModelRunner):
         self._pool_shape = KVPoolShape(len(cfg.layers), 0, cfg.block_size, heads.num_kv,
                                        model_cfg.head_dim, cfg.dtype)
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
+        self.mixed_graphs: MixedGraphs | None = None
         self.use_graphs = False
         max_blocks = -(-model_cfg.max_position_embeddings // cfg.block_size)
         rows = max(cfg.max_held_seqs or 0, cfg.max_num_seqs)
@@ -123,6 +125,8 @@ class StageRunner(ModelRunner):
                                   fill=num_blocks if graphs else -1, num_blocks=num_blocks)
         if graphs:
             self.graphs = self._capture_graphs()
+            if len(cfg.layers):
+                self.mixed_graphs = self._capture_mixed_graphs()
         if uses_triton_kernel(cfg.device, cfg.block_size, model_cfg.head_dim):
             self._warm_up()
         self.use_graphs = self.graphs is not None
@@ -154,6 +158,17 @@ class StageRunner(ModelRunner):
             self.model, self.kv.layers(), self.inv_freq, self.tables,
             input_shape=() if self.is_first else (model_cfg.hidden_size,),
             dtype=cfg.dtype, device=cfg.device, max_batch=min(cfg.max_num_seqs, MAX_GRAPH_BATCH))
+
+    @torch.inference_mode()
+    def _capture_mixed_graphs(self) -> MixedGraphs:
+        """Piecewise graphs of prefill and mixed steps (the scratch block's first slot takes
+        the padding rows' K/V)."""
+        cfg, model_cfg = self.cfg, self.model_cfg
+        return MixedGraphs(
+            self.model, self.kv.layers(), scratch_slot=self._num_blocks * cfg.block_size,
+            input_shape=() if self.is_first else (model_cfg.hidden_size,), dtype=cfg.dtype,
+            device=cfg.device, max_tokens=cfg.max_num_batched_tokens,
+            head_dim=model_cfg.head_dim)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -216,7 +231,11 @@ class StageRunner(ModelRunner):
             hidden = self.graphs.run(chunks, inputs)
         else:
             ctx = build_context(chunks, self.tables, self.inv_freq, device)
-            hidden = self.model(inputs, self.kv.layers(), ctx)
+            if self.mixed_graphs is not None and self.use_graphs \
+                    and self.mixed_graphs.covers(chunks):
+                hidden = self.mixed_graphs.run(inputs, ctx)
+            else:
+                hidden = self.model(inputs, self.kv.layers(), ctx)
         if not self.is_last:
             return hidden
         rows, num_prompt = score_rows(chunks)

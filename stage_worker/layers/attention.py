@@ -29,6 +29,12 @@ class PagedSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 ctx: ForwardContext) -> torch.Tensor:
+        return self.o_proj(self.attend(self.project(x, kv_cache, ctx), kv_cache, ctx))
+
+    def project(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                ctx: ForwardContext) -> torch.Tensor:
+        """x [T, H] -> q [T, heads, head_dim] with rope applied; this step's K/V (roped) are
+        written to their slots. Reads only ctx's cos, sin and slot_mapping."""
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         t, d = x.shape[0], self.head_dim
@@ -36,6 +42,11 @@ class PagedSelfAttention(nn.Module):
         k = qkv[:, q_size:q_size + kv_size].view(t, -1, d)
         v = qkv[:, q_size + kv_size:].view(t, -1, d)
         k_cache, v_cache = kv_cache
-        q = rope_and_write_kv(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, ctx.attn, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return rope_and_write_kv(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping)
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               ctx: ForwardContext) -> torch.Tensor:
+        """q [T, heads, head_dim] -> the heads' outputs [T, heads * head_dim], before o_proj."""
+        assert ctx.attn is not None, "attention needs the step's layout"
+        out = paged_attention(q, kv_cache[0], kv_cache[1], ctx.attn, self.scale)
+        return out.reshape(q.shape[0], -1)

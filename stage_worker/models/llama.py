@@ -55,13 +55,27 @@ class LlamaDecoderLayer(nn.Module):
         added): the residual add at a layer's end is done by the next layer's input norm
         (one fused add + norm) or by the stage's end. The sums are rounded to the model's
         dtype exactly as `x + residual` rounds them, so the values are those of the layer
-        computed as HF writes it."""
+        computed as HF writes it. The same as `end(attend(begin(...)))`."""
+        q, residual = self.begin(x, residual, kv_cache, ctx)
+        return self.end(self.self_attn.attend(q, kv_cache, ctx), residual)
+
+    def begin(self, x: torch.Tensor, residual: torch.Tensor | None,
+              kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: (q [T, heads, head_dim], the residual stream);
+        this step's K/V are written. Reads ctx's cos, sin and slots only."""
         if residual is None:
             normed, residual = self.input_layernorm(x), x
         else:
             normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        return self.self_attn.project(normed, kv_cache, ctx), residual
+
+    def end(self, attn: torch.Tensor, residual: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention: attn [T, heads * head_dim] -> (MLP output, the
+        residual stream before it is added)."""
         normed, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(normed, kv_cache, ctx), residual)
+            self.self_attn.o_proj(attn), residual)
         return self.mlp(normed), residual
 
 
@@ -104,12 +118,28 @@ class LlamaStageModel(nn.Module):
 
     def forward(self, inputs: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
+        x = self.embed(inputs)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.model.layers.values(), kv_caches, strict=True):
             x, residual = layer(x, residual, kv, ctx)
+        return self.finish(x, residual)
+
+    @property
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's decoder layers in order."""
+        return [layer for layer in self.model.layers.values()
+                if isinstance(layer, LlamaDecoderLayer)]
+
+    def embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The stage's input as hidden states [T, H]: token ids embedded on the first stage,
+        the previous stage's hidden states as they are elsewhere."""
+        return self.model.embed_tokens(inputs) if self.model.embed_tokens is not None else inputs
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's (MLP output, residual stream) -> the stage's output [T, H]: their
+        sum, final-normed on the last stage (residual None: a stage without layers)."""
         norm = self.model.norm
-        if residual is None:  # a stage without decoder layers
+        if residual is None:
             return norm(x) if norm is not None else x
         return norm.add_and_norm(x, residual)[0] if norm is not None else x + residual
 
