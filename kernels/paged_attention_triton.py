@@ -27,7 +27,6 @@ compile for a batch size it has not seen.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_metadata import PagedAttentionMetadata
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.platform import TRITON_INTERPRETED
 
 
 @dataclass(frozen=True)
@@ -288,7 +286,7 @@ def paged_attention_triton(
     block_n = max(launch.block_n, kv_block)
     tiles = triton.cdiv(rows, block_m)
     if splits is None:
-        splits = (1 if INTERPRETED else
+        splits = (1 if TRITON_INTERPRETED else
                   kv_splits(meta.num_seqs * kv_heads * tiles, rows, block_m,
                             _sm_count(q.device.index or 0)))
     if not 1 <= splits <= MAX_SPLITS:
@@ -312,9 +310,9 @@ def paged_attention_triton(
         out.stride(0), out.stride(1), meta.block_tables.stride(0), *part_strides, splits,
         GROUP=group, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, EVEN_D=d_pad == head_dim, DYNAMIC=not INTERPRETED,
+        IEEE=q.dtype == torch.float32, EVEN_D=d_pad == head_dim, DYNAMIC=not TRITON_INTERPRETED,
         # Only the interpreter reads it; compiled, a constant avoids a compile per length.
-        MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if INTERPRETED else 0,
+        MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if TRITON_INTERPRETED else 0,
         SPLIT=splits > 1, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if splits > 1:

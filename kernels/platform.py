@@ -16,6 +16,10 @@ import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 
+# Triton kernels run in Triton's interpreter (the CPU tests): numpy has no 16-bit matmul and
+# no device properties, so kernels pick interpreter-safe variants.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 class DeviceUnavailableError(ValueError):
     """A device was asked for that this machine does not have, or a name that is no device.

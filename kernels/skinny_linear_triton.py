@@ -20,7 +20,6 @@ to the output dtype first, as the two ops apart).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_format import FP8, SKINNY_ROWS
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from kernels.platform import TRITON_INTERPRETED
 
 
 @dataclass(frozen=True)
@@ -211,7 +209,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor |
         x, w.view(torch.uint8) if fp8 else w, scale if fp8 else w, target, m, n, k,
         x.stride(0), w.stride(0), width if splits > 1 else n, k_tiles,
         ROWS=max(16, triton.next_power_of_2(m)), BLOCK_N=lc.block_n, BLOCK_K=lc.block_k,
-        EVEN=even, PARTIAL=splits > 1, FP8_W=fp8, SILU=silu, WIDEN=INTERPRETED,
+        EVEN=even, PARTIAL=splits > 1, FP8_W=fp8, SILU=silu, WIDEN=TRITON_INTERPRETED,
         num_warps=lc.num_warps,
         num_stages=lc.num_stages)
     if splits > 1:

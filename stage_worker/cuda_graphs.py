@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +36,8 @@ from stage_worker.step_input import SeqChunk
 
 log = logging.getLogger("stagemesh.runner")
 
+T = TypeVar("T")
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_BATCH = BUCKETS[-1]
 
@@ -43,6 +47,23 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
     smallest one that holds it (at most MAX_GRAPH_BATCH)."""
     below = tuple(b for b in BUCKETS if b < max_batch)
     return below + tuple(b for b in BUCKETS if b >= max_batch)[:1]
+
+
+def capture_graph(fn: Callable[[], T], pool: object, device: torch.device
+            ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`fn` run twice eagerly on a side stream (Triton compiles, cuBLAS picks its kernels,
+    an NCCL communicator is created), then captured into a graph drawing on `pool`;
+    returns the graph and what the captured call returned (its output buffers)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]  # a pool handle
+        out = fn()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -81,16 +102,8 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-                for _ in range(2):
-                    self._forward(b)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+            self.graphs[b], self.outputs[b] = capture_graph(partial(self._forward, b), pool,
+                                                            device)
         torch.cuda.synchronize(device)
         log.info("captured decode graphs for batch sizes %s in %.1fs",
                  ",".join(map(str, self.buckets)), time.monotonic() - started)

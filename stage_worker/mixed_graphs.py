@@ -24,9 +24,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
+from stage_worker.cuda_graphs import capture_graph
 from stage_worker.forward_context import ForwardContext
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.step_input import SeqChunk
@@ -89,25 +91,12 @@ class MixedGraphs:
         if capture:
             pool = torch.cuda.graph_pool_handle()
             for b in reversed(self.buckets):  # largest first: the smaller reuse its memory
-                self.graphs[b] = [self._capture(b, i, pool, device)
+                self.graphs[b] = [capture_graph(partial(self._piece, b, i), pool, device)[0]
                                   for i in range(len(self.layers) + 1)]
             torch.cuda.synchronize(device)
             log.info("captured %d pieces for step sizes up to %d tokens in %.1fs",
                      sum(len(g) for g in self.graphs.values()), size,
                      time.monotonic() - started)
-
-    def _capture(self, b: int, i: int, pool: object,
-                 device: torch.device) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks kernels
-            for _ in range(2):
-                self._piece(b, i)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]  # the pool handle
-            self._piece(b, i)
-        return graph
 
     def _piece(self, b: int, i: int) -> None:
         """Piece i over the first `b` rows of the buffers (module docstring)."""
