@@ -53,7 +53,9 @@ def _steps(vocab: int, hidden: int, first: bool, dtype: torch.dtype
 
 
 def _compare(role: str, dtype: torch.dtype, device: torch.device, tmp_path: Path,
-             tol: float) -> None:
+             tol: float) -> int:
+    """Run the steps both ways, asserting each step's outputs and the owned KV agree within
+    `tol`; returns how many steps ran through the pieces."""
     write_tiny_checkpoint("llama_head_dim_32", tmp_path)
     cfg = ModelConfig.from_dir(tmp_path)
     layers = _layers(role, cfg.num_layers)
@@ -72,10 +74,12 @@ def _compare(role: str, dtype: torch.dtype, device: torch.device, tmp_path: Path
             device=device, max_tokens=256, head_dim=cfg.head_dim, capture=False)
         piecewise.use_graphs = True
     assert piecewise.mixed_graphs is not None
+    through_pieces = 0
     piecewise.kv.cache.zero_()
     eager.kv.cache.zero_()
     for chunks, inputs in _steps(cfg.vocab_size, cfg.hidden_size, layers.is_first, dtype):
         assert piecewise.mixed_graphs.covers(chunks)
+        through_pieces += 1
         got = piecewise.execute(chunks, inputs.to(device)).float()
         want = eager.execute(chunks, inputs.to(device)).float()
         assert got.shape == want.shape
@@ -88,6 +92,7 @@ def _compare(role: str, dtype: torch.dtype, device: torch.device, tmp_path: Path
         for got_kv, want_kv in ((k1, k2), (v1, v2)):
             gap = (got_kv[owned].float() - want_kv[owned].float()).abs().max().item()
             assert gap <= tol * max(1.0, want_kv[owned].float().abs().max().item()), role
+    return through_pieces
 
 
 def test_buckets_step_by_32_up_to_512() -> None:
@@ -98,7 +103,7 @@ def test_buckets_step_by_32_up_to_512() -> None:
 
 @pytest.mark.parametrize("role", ["whole", "first", "last"])
 def test_pieces_over_padded_buffers_match_eager_steps_on_cpu(role: str, tmp_path: Path) -> None:
-    _compare(role, torch.float32, torch.device("cpu"), tmp_path, 1e-5)
+    assert _compare(role, torch.float32, torch.device("cpu"), tmp_path, 1e-5) == 5
 
 
 @pytest.mark.gpu
@@ -106,4 +111,4 @@ def test_pieces_over_padded_buffers_match_eager_steps_on_cpu(role: str, tmp_path
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_captured_pieces_match_eager_steps_on_cuda(role: str, dtype: torch.dtype, tol: float,
                                                    tmp_path: Path) -> None:
-    _compare(role, dtype, torch.device("cuda"), tmp_path, tol)
+    assert _compare(role, dtype, torch.device("cuda"), tmp_path, tol) == 5
