@@ -1,6 +1,7 @@
-"""What fp8 weights (`--quantization fp8`, `kernels.fp8_linear`) cost in accuracy, on real
-weights: the default model (or --model) in one process (`LocalPipeline`), its projections in
-e4m3 with per-output-feature scales against the same model unquantized.
+"""What fp8 weights (`--quantization fp8`, `kernels.fp8_linear`) and an fp8 KV cache
+(`--kv-cache-dtype fp8`) cost in accuracy, on real weights: the default model (or --model) in
+one process (`LocalPipeline`), its projections in e4m3 with per-output-feature scales, its
+K/V stored in e4m3 at unit scale, and both, against the same model unquantized.
 
 - weight bytes of the projections;
 - teacher-forced: every prompt's unquantized greedy continuation is fed back token by token,
@@ -10,8 +11,10 @@ e4m3 with per-output-feature scales against the same model unquantized.
 - free-running greedy decoding: how many prompts produce exactly the same tokens, and the
   mean length of the common prefix.
 
-On CPU the quantized model runs the torch reference (the weights-only contract, W8A16); on
-CUDA, the Triton kernel below 17 rows and the W8A8 `_scaled_mm` path above.
+On CPU the quantized model runs the torch references (the weights-only contract, W8A16; K/V
+widened from e4m3 where attention reads them); on CUDA, the Triton kernels (the weight
+streaming one below 17 rows and the W8A8 `_scaled_mm` path above; the attention kernel
+widening e4m3 K/V as it loads them).
 
     python -m benchmarks.fp8_accuracy --tokens 64 --out results.json
     python -m benchmarks.fp8_accuracy --device cuda --dtype bfloat16
@@ -52,9 +55,13 @@ def main() -> None:
     tok = ModelTokenizer.from_dir(model_dir)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
-    pipes = {q: LocalPipeline(LocalPipelineConfig(model_dir, num_blocks=512, dtype=dtype,
-                                                  device=device, quantization=q))
-             for q in ("none", "fp8")}
+    # name: (quantization, kv_cache_dtype)
+    variants = {"none": ("none", "auto"), "fp8 weights": ("fp8", "auto"),
+                "fp8 kv cache": ("none", "fp8"), "fp8 weights + kv cache": ("fp8", "fp8")}
+    pipes = {name: LocalPipeline(LocalPipelineConfig(model_dir, num_blocks=512, dtype=dtype,
+                                                     device=device, quantization=q,
+                                                     kv_cache_dtype=kv))
+             for name, (q, kv) in variants.items()}
     reference = greedy_generate(pipes["none"], prompts, args.tokens)
     ref_logits = teacher_forced_logits(pipes["none"], prompts, reference)  # type: ignore[arg-type]
     rows: list[dict[str, Any]] = []
@@ -71,7 +78,9 @@ def main() -> None:
         prefix = [next((i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w),
                        len(want)) for got, want in zip(free, reference, strict=True)]
         rows.append({
-            "weights": name, "projection_MB": projection_bytes(pipe) / 1e6,
+            "variant": name, "projection_MB": projection_bytes(pipe) / 1e6,
+            "kv_bytes_per_token": pipe.stages[0].kv.shape.bytes_per_block // pipe.cfg.block_size
+            * len(pipe.stages),
             "max_abs_logit_diff": max(d.max().item() for d in diffs),
             "mean_abs_logit_diff": statistics.fmean(d.mean().item() for d in diffs),
             "rel_l2_err": max(((a.float() - b.float()).norm() / b.float().norm()).item()

@@ -28,7 +28,7 @@ def mixed_ms(runner: StageRunner, vocab: int, decodes: int, prompt: int, ctx: in
              steps: int) -> tuple[float, float]:
     """(median GPU-timeline ms, median host ms) of a step of `decodes` decodes at context
     `ctx` and one `prompt`-token chunk (the same prompt prefilled again each step)."""
-    blocks = -(-(ctx + 3 * steps + 8) // 16)
+    blocks = -(-(max(ctx + 3 * steps + 8, prompt)) // 16)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(decodes + 1)]
     ids = torch.randint(0, vocab, (decodes, ctx))
     for start in range(0, decodes, 8):

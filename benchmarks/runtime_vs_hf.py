@@ -73,8 +73,8 @@ def roofline() -> dict[str, float]:
     return {"copy_TBps": bw / 1e12, "bf16_TFLOPs": 2 * 8192**3 / (ms / 1e3) / 1e12}
 
 
-def build_models(shape: str, num_blocks: int, quantization: str = "none"
-                 ) -> tuple[Any, StageRunner, ModelConfig]:
+def build_models(shape: str, num_blocks: int, quantization: str = "none",
+                 kv_cache_dtype: str = "auto") -> tuple[Any, StageRunner, ModelConfig]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -87,7 +87,8 @@ def build_models(shape: str, num_blocks: int, quantization: str = "none"
     layers = LayerRange(0, cfg.num_layers, True, True)
     runner = StageRunner(
         StageRunnerConfig(Path("."), layers, torch.bfloat16, torch.device("cuda"),
-                          block_size=16, num_blocks=num_blocks, quantization=quantization),
+                          block_size=16, num_blocks=num_blocks, quantization=quantization,
+                          kv_cache_dtype=kv_cache_dtype),
         cfg, weights=dict(hf.state_dict()),
     )
     return hf, runner, cfg
@@ -199,13 +200,16 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
                     help="our runner's projections in e4m3 (kernels.fp8_linear); with "
                          "--ours-only the logits are also checked against HF's")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="our runner's KV pool (fp8: e4m3); with --ours-only the logits are "
+                         "also checked against HF's")
     ap.add_argument("--prefill", default="8x512,1x4096",
                     help="with --ours-only: prefill steps to time, SEQSxTOKENS,... "
                          "(reported against the matmul rate, linear layers' FLOPs)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     config = {"shape": args.shape, "dtype": "bfloat16", "stages": 1, "tp": 1,
-              "quantization": args.quantization,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "context": args.ctx,
               "kernels": ("Triton paged attention, CUDA graphs for decode; torch reference "
                           "for the rest" if PLATFORM.use_triton else
@@ -219,7 +223,8 @@ def main() -> None:
     # Every decode case's sequences at once (the logit check needs far fewer blocks).
     per_seq = -(-(args.ctx + 2 * args.steps + 8) // 16)
     hf, runner, cfg = build_models(args.shape, num_blocks=max(64 * 48, max(batches) * per_seq),
-                                   quantization=args.quantization)
+                                   quantization=args.quantization,
+                                   kv_cache_dtype=args.kv_cache_dtype)
     print(f"models built in {time.monotonic() - t0:.0f}s")
     if args.ours_only:
         ours_only(args, config, roof, hf, runner, cfg)
@@ -279,11 +284,15 @@ def linear_flops_per_token(hf: Any) -> float:
 
 def ours_only(args: argparse.Namespace, config: dict[str, Any], roof: dict[str, float],
               hf: Any, runner: StageRunner, cfg: ModelConfig) -> None:
-    # What the runner streams per decode step (e4m3 projections with --quantization fp8).
+    # What the runner streams per decode step (e4m3 projections with --quantization fp8,
+    # e4m3 K/V with --kv-cache-dtype fp8).
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    if args.quantization != "none":
+    kv_elem = runner.kv.cache.element_size()
+    if args.quantization != "none" or args.kv_cache_dtype != "auto":
+        label = "_".join(x for x in (args.quantization, "kv" + args.kv_cache_dtype)
+                         if x not in ("none", "kvauto"))
         config = {**config, "logits_vs_hf": check_logits(hf, runner, cfg.vocab_size,
-                                                         ours=f"ours_{args.quantization}")}
+                                                         ours=f"ours_{label}")}
         print(f"logits vs HF: {config['logits_vs_hf']}")
     rows: list[dict[str, Any]] = []
     flops = linear_flops_per_token(hf)
@@ -297,7 +306,7 @@ def ours_only(args: argparse.Namespace, config: dict[str, Any], roof: dict[str, 
                      "of_matmul_rate": flops * tokens / (ms / 1e3) / 1e12
                      / roof["bf16_TFLOPs"]})
     for b in (int(x) for x in args.batches.split(",")):
-        kv_bytes = b * args.ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+        kv_bytes = b * args.ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_elem
         ours, ours_host = ours_decode_ms(runner, cfg.vocab_size, b, args.ctx, args.steps)
         rows.append({"batch": b, "ours_ms": ours, "ours_host_ms": ours_host,
                      "roofline_ms": (weight_bytes + kv_bytes) / (roof["copy_TBps"] * 1e12) * 1e3,

@@ -2,7 +2,10 @@
 
 Layout contract (shared by the torch reference here and the Triton kernel that replaces it):
     q:            [T, Hq, D]      the batch's new tokens, sequences concatenated
-    k/v_cache:    [N, B, Hkv, D]  one layer's pool: N blocks of B token slots (this rank's heads)
+    k/v_cache:    [N, B, Hkv, D]  one layer's pool: N blocks of B token slots (this rank's heads),
+                                  in the model's dtype or float8_e4m3fn (an fp8 KV cache:
+                                  values stored at unit scale, saturated to +-448, widened
+                                  to q's dtype when read)
     block_tables: [S, M] int32    block ids of each sequence; entries past ceil(seq_len / B)
                                   are never read (-1, or any id a table row held before)
     seq_lens:     [S]             tokens of each sequence in the cache *including* this step's
@@ -18,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_metadata import PagedAttentionMetadata
+from kernels.fp8_format import FP8, FP8_MAX
 from kernels.platform import PLATFORM
 
-__all__ = ["PagedAttentionMetadata", "paged_attention", "paged_attention_ref", "uses_triton_kernel",
-           "write_kv_ref"]
+__all__ = ["PagedAttentionMetadata", "paged_attention", "paged_attention_ref", "to_cache_dtype",
+           "uses_triton_kernel", "write_kv_ref"]
 
 
 def write_kv_ref(
@@ -33,8 +37,18 @@ def write_kv_ref(
 ) -> None:
     """Scatter new k/v [T, Hkv, D] into the caches at flat slots (block * B + offset) [T]."""
     num_blocks, block_size, heads, dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, heads, dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, heads, dim)[slot_mapping] = v.to(v_cache.dtype)
+    k_cache.view(num_blocks * block_size, heads, dim)[slot_mapping] = to_cache_dtype(
+        k, k_cache.dtype)
+    v_cache.view(num_blocks * block_size, heads, dim)[slot_mapping] = to_cache_dtype(
+        v, v_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: a plain cast, or for an fp8 cache x saturated to e4m3's
+    range (+-448) and rounded to nearest even (unit scale)."""
+    if dtype == FP8:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x.to(dtype)
 
 
 def uses_triton_kernel(device: torch.device, block_size: int, head_dim: int) -> bool:

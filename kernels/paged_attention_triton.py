@@ -22,6 +22,10 @@ sequence lengths, so a captured CUDA graph keeps its grid; a split with no keys 
 sequence writes m = -inf, l = 0 and weighs nothing in the merge. The count is a run-time
 argument (not specialised): every count shares one compiled kernel, so no step waits on a
 compile for a batch size it has not seen.
+
+An fp8 cache (float8_e4m3fn) is passed as its bytes and widened to q's dtype in registers
+after each load (exact): half the bytes of a bf16 cache cross the memory bus, and the dots
+run in q's dtype as with a 16-bit cache.
 """
 
 from __future__ import annotations
@@ -68,11 +72,12 @@ LOG2E = 1.4426950408889634  # the kernel's softmax runs in base 2 (exp2)
 def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
                   stride_kn, stride_kb, stride_kh, offs_d, d_ok,
                   KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                  EVEN_D: tl.constexpr, MASKED: tl.constexpr):
+                  EVEN_D: tl.constexpr, MASKED: tl.constexpr, FP8_KV: tl.constexpr):
     """Keys [i * BLOCK_N, (i + 1) * BLOCK_N) of the sequence that lie in [kv_lo, kv_end),
     read through its block table, folded into the online softmax (base 2: `qk_scale` is the
     softmax scale times log2(e), m_i is in those units). Not MASKED: the caller guarantees
-    every key of the tile lies in [kv_lo, kv_end) and is visible to every row (no masks)."""
+    every key of the tile lies in [kv_lo, kv_end) and is visible to every row (no masks).
+    FP8_KV: K and V hold e4m3 bits (uint8), widened to q's dtype (exact) after the load."""
     key_pos = i * BLOCK_N + tl.arange(0, BLOCK_N)
     # kv_end <= seq_len (later keys are causally hidden anyway); kv_lo > 0 only in a split.
     if MASKED:
@@ -93,6 +98,9 @@ def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_hea
     else:
         k = tl.load(K + kv_off, mask=d_ok[None, :], other=0.0)
         v = tl.load(V + kv_off, mask=d_ok[None, :], other=0.0)
+    if FP8_KV:
+        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -133,6 +141,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     EVEN_D: tl.constexpr, DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr, SPLIT: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """One (sequence, KV head, query tile, key range) per program, `splits` ranges per tile.
     Not SPLIT (splits == 1): O is the output [T, Hq, D]. SPLIT: O is the fp32 accumulator
@@ -188,24 +197,24 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_block(
                 i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
                 stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
-                EVEN_D, False)
+                EVEN_D, False, FP8_KV)
         for i in range(full_hi, tile_hi):
             m_i, l_i, acc = _attend_block(
                 i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
                 stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
-                EVEN_D, True)
+                EVEN_D, True, FP8_KV)
     else:
         for i in range(0, MAX_KV_TILES):
             if (i >= tile_lo) & (i < full_hi):
                 m_i, l_i, acc = _attend_block(
                     i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
                     stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
-                    EVEN_D, False)
+                    EVEN_D, False, FP8_KV)
             else:
                 m_i, l_i, acc = _attend_block(
                     i, q, q_pos, kv_lo, kv_hi, m_i, l_i, acc, K, V, table, kv_head, qk_scale,
                     stride_kn, stride_kb, stride_kh, offs_d, d_ok, KV_BLOCK, BLOCK_N, IEEE,
-                    EVEN_D, True)
+                    EVEN_D, True, FP8_KV)
     out_mask = row_ok[:, None] & d_ok[None, :]
     if not SPLIT:
         out = acc / l_i[:, None]
@@ -279,6 +288,9 @@ def paged_attention_triton(
     group = num_heads // kv_heads
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dimension must be contiguous"
     out = torch.empty_like(q)
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if fp8_kv:  # the bits, widened in the kernel (Triton's interpreter has no fp8 arrays)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     rows = meta.max_query_len * group
     if launch is None:
         launch = PREFILL_LAUNCH if rows >= PREFILL_LAUNCH.block_m else DECODE_LAUNCH
@@ -313,7 +325,8 @@ def paged_attention_triton(
         IEEE=q.dtype == torch.float32, EVEN_D=d_pad == head_dim, DYNAMIC=not TRITON_INTERPRETED,
         # Only the interpreter reads it; compiled, a constant avoids a compile per length.
         MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if TRITON_INTERPRETED else 0,
-        SPLIT=splits > 1, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        SPLIT=splits > 1, FP8_KV=fp8_kv, num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -6,7 +6,9 @@ Contract (shared by both):
     q:            [T, Hq, D]      the step's queries; rows may be strided (views of the QKV
     k, v:         [T, Hkv, D]     projection's output), the last dimension contiguous
     cos, sin:     [T, D] fp32     rope tables of each token's position (halves duplicated)
-    k/v_cache:    [N, B, Hkv, D]  one layer's pool (`kernels.paged_attention`'s layout)
+    k/v_cache:    [N, B, Hkv, D]  one layer's pool (`kernels.paged_attention`'s layout), in
+                                  q's dtype or float8_e4m3fn (k and v then stored rounded to
+                                  nearest even and saturated to +-448: `to_cache_dtype`)
     slot_mapping: [T] int64       flat slot (block * B + offset) of each token, all >= 0
 Returns rotated q [T, Hq, D] (contiguous, q's dtype) and writes rotated k and v into the
 caches. Rounding is HF Llama's: cos/sin cast to q's dtype, x * cos and rotate_half(x) * sin

@@ -35,11 +35,30 @@ def _rotate(X, C, S, heads, stride_h, HALF: tl.constexpr, H_PAD: tl.constexpr,
 
 
 @triton.jit
+def _to_cache(x, CACHE_DTYPE: tl.constexpr, FP8_KV: tl.constexpr):
+    """x as the cache stores it: a cast, or (FP8_KV) the bits of x rounded to nearest even on
+    e4m3's grid and saturated to +-448. The rounding is done here in fp32 (3 mantissa bits;
+    below 2^-6, multiples of 2^-9) so the cast itself is exact: Triton's interpreter rounds
+    fp8 casts without carrying into the exponent."""
+    if FP8_KV:
+        xf = x.to(tl.float32)
+        bits = xf.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32,
+                                                                        bitcast=True)
+        subnormal = (xf + 24576.0) - 24576.0  # 1.5 * 2^14: fp32's step there is 2^-9
+        xf = tl.where(tl.abs(xf) < 0.015625, subnormal, normal)
+        xf = tl.minimum(tl.maximum(xf, -448.0), 448.0)
+        return xf.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return x.to(CACHE_DTYPE)
+
+
+@triton.jit
 def _rope_kv_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOTS,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_ct, stride_ot, stride_oh, stride_cn, stride_cb, stride_ch,
                     num_q_heads, num_kv_heads, block_size,
-                    HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr):
+                    HALF: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+                    FP8_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dtype = QO.dtype.element_ty
     cos = COS + t * stride_ct
@@ -59,11 +78,12 @@ def _rope_kv_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOTS,
     k_lo, k_hi, kh, kd, k_ok = _rotate(K + t * stride_kt, cos, sin, heads, stride_kh, HALF,
                                        HKV_PAD, dtype)
     cache = base + kh[:, None] * stride_ch + kd[None, :]
-    tl.store(KC + cache, k_lo.to(KC.dtype.element_ty), mask=k_ok)
-    tl.store(KC + cache + HALF, k_hi.to(KC.dtype.element_ty), mask=k_ok)
+    kv_dtype = KC.dtype.element_ty
+    tl.store(KC + cache, _to_cache(k_lo, kv_dtype, FP8_KV), mask=k_ok)
+    tl.store(KC + cache + HALF, _to_cache(k_hi, kv_dtype, FP8_KV), mask=k_ok)
     src = V + t * stride_vt + kh[:, None] * stride_vh + kd[None, :]
-    tl.store(VC + cache, tl.load(src, mask=k_ok).to(VC.dtype.element_ty), mask=k_ok)
-    tl.store(VC + cache + HALF, tl.load(src + HALF, mask=k_ok).to(VC.dtype.element_ty),
+    tl.store(VC + cache, _to_cache(tl.load(src, mask=k_ok), kv_dtype, FP8_KV), mask=k_ok)
+    tl.store(VC + cache + HALF, _to_cache(tl.load(src + HALF, mask=k_ok), kv_dtype, FP8_KV),
              mask=k_ok)
 
 
@@ -79,6 +99,9 @@ def rope_and_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    if fp8_kv:  # written as bits (Triton's interpreter has no fp8 arrays)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _rope_kv_kernel[(tokens,)](
         q, k, v, cos, sin, out, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -86,5 +109,5 @@ def rope_and_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         q_heads, kv_heads, k_cache.shape[1],
         HALF=dim // 2, HQ_PAD=triton.next_power_of_2(q_heads),
-        HKV_PAD=triton.next_power_of_2(kv_heads), num_warps=4)
+        HKV_PAD=triton.next_power_of_2(kv_heads), FP8_KV=fp8_kv, num_warps=4)
     return out

@@ -37,7 +37,7 @@ def _llama(cfg: StageConfig, model_cfg: ModelConfig, shape: StageShape,
         cfg.kv_cache_bytes, cfg.gpu_memory_utilization,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         max_held_seqs=cfg.max_num_seqs * cfg.num_stages, cuda_graphs=not cfg.enforce_eager,
-        quantization=cfg.quantization)
+        quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype)
     return StageRunner(runner_cfg, model_cfg, tp)
 
 

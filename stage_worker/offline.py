@@ -50,6 +50,7 @@ class LocalPipelineConfig:
     num_blocks: int = 256
     layer_override: tuple[int, ...] | None = None
     quantization: str = "none"  # or "fp8" (`StageRunnerConfig.quantization`)
+    kv_cache_dtype: str = "auto"  # or "fp8" (`StageRunnerConfig.kv_cache_dtype`)
 
 
 class LocalPipeline:
@@ -64,7 +65,9 @@ class LocalPipeline:
         self.stages = [
             StageRunner(StageRunnerConfig(cfg.model_dir, r, cfg.dtype, cfg.device,
                                           cfg.block_size, cfg.num_blocks,
-                                          quantization=cfg.quantization), self.model_cfg, tp)
+                                          quantization=cfg.quantization,
+                                          kv_cache_dtype=cfg.kv_cache_dtype),
+                        self.model_cfg, tp)
             for r in ranges
         ]
 

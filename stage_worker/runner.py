@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from foundation.model_config import ModelConfig
+from kernels.fp8_format import FP8
 from kernels.paged_attention import uses_triton_kernel
 from kernels.rotary import rope_inv_freq
 from stage_worker.block_tables import BlockTables
@@ -49,6 +50,9 @@ class StageRunnerConfig:
     `max_num_seqs` (at most MAX_GRAPH_BATCH; larger ones run eagerly); off = always eager.
     quantization: "none" or "fp8" (the projections' weights in e4m3 once loaded, before the
     pool is sized: `LlamaStageModel.quantize_fp8`).
+    kv_cache_dtype: "auto" (the pool in `dtype`) or "fp8" (e4m3 at unit scale: half the
+    bytes per block, so twice the blocks in the same memory, and half the bytes a decode
+    step's attention reads; see `kernels.paged_attention`).
     """
 
     model_dir: Path
@@ -64,6 +68,12 @@ class StageRunnerConfig:
     max_held_seqs: int | None = None
     cuda_graphs: bool = True  # decode steps replay CUDA graphs where supported
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the KV pool stores."""
+        return FP8 if self.kv_cache_dtype == "fp8" else self.dtype
 
 
 class StageRunner(ModelRunner):
@@ -104,7 +114,7 @@ class StageRunner(ModelRunner):
         heads = shard_heads(model_cfg.num_heads, model_cfg.num_kv_heads, self.tp.size,
                             self.tp.rank)
         self._pool_shape = KVPoolShape(len(cfg.layers), 0, cfg.block_size, heads.num_kv,
-                                       model_cfg.head_dim, cfg.dtype)
+                                       model_cfg.head_dim, cfg.kv_dtype)
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.mixed_graphs: MixedGraphs | None = None
         self.use_graphs = False
@@ -116,7 +126,7 @@ class StageRunner(ModelRunner):
         # With graphs, one block more than announced: the padding rows' scratch block.
         self.kv = KVPool(
             KVPoolShape(len(cfg.layers), num_blocks + int(graphs), cfg.block_size,
-                        heads.num_kv, model_cfg.head_dim, cfg.dtype),
+                        heads.num_kv, model_cfg.head_dim, cfg.kv_dtype),
             cfg.device,
         )
         # The tables the steps use: ids checked against the pool; with graphs, the padding
@@ -253,8 +263,10 @@ class StageRunner(ModelRunner):
         if not pairs:
             return
         src, dst = to_device(list(zip(*pairs, strict=True)), torch.int64, self.cfg.device)
-        # cache: [layers, 2, blocks, ...]; one gather/scatter over all layers at once.
-        self.kv.cache[:, :, dst] = self.kv.cache[:, :, src]
+        # cache: [layers, 2, blocks, ...]; one gather/scatter over all layers at once, on the
+        # bytes (any pool dtype, fp8 included).
+        raw = self.kv.cache.view(torch.uint8)
+        raw[:, :, dst] = raw[:, :, src]
 
     def _blocks_that_fit(self) -> int:
         if self.cfg.kv_cache_bytes is not None:

@@ -73,6 +73,14 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
                         "torch reference elsewhere; docs/BENCHMARKS.md states its accuracy)")
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="the KV cache's storage: auto (the model's dtype) or fp8 (e4m3 at "
+                        "unit scale, values past +-448 saturated: twice the blocks in the "
+                        "same memory, half the bytes a decode step's attention reads; "
+                        "docs/BENCHMARKS.md states its accuracy)")
+
+
 def add_compression_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-compression", default="none",
                    choices=("none", "bf16", "fp16", "int8"),

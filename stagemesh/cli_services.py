@@ -25,6 +25,7 @@ from stagemesh.cli_credentials import (
 from stagemesh.cli_flags import (
     SubParsers,
     add_compression_arg,
+    add_kv_cache_dtype_arg,
     add_metrics_port_arg,
     add_model_args,
     add_model_impl_arg,
@@ -217,6 +218,7 @@ def _add_serve(commands: SubParsers) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="stages never replay CUDA graphs for decode steps")
     add_quantization_arg(p)
+    add_kv_cache_dtype_arg(p)
     add_compression_arg(p)
     _add_router_args(p)
     p.set_defaults(handler=_serve)

@@ -22,6 +22,7 @@ from stagemesh.cli_credentials import (
 from stagemesh.cli_flags import (
     SubParsers,
     add_compression_arg,
+    add_kv_cache_dtype_arg,
     add_metrics_port_arg,
     add_model_args,
     add_model_impl_arg,
@@ -70,6 +71,7 @@ def add_stage(commands: SubParsers) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs for decode steps")
     add_quantization_arg(p)
+    add_kv_cache_dtype_arg(p)
     add_compression_arg(p)
     p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc", "nccl"),
                    help="data-plane transports this stage offers for activations: auto (tcp, "
@@ -144,6 +146,7 @@ def _stage(args: argparse.Namespace) -> int:
         dataplane_host=args.dataplane_host, dataplane_port=args.dataplane_port,
         dataplane_advertise=args.dataplane_advertise, step_timeout_s=args.step_timeout,
         enforce_eager=args.enforce_eager, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         activation_compression=args.activation_compression,
         transport=args.transport, dataplane_tls_cert=tls_cert, dataplane_tls_key=tls_key,
         dataplane_tls_ca=tls_ca, standby=args.standby, metrics_port=args.metrics_port,

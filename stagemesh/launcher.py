@@ -134,6 +134,8 @@ def _stage_flags(args: argparse.Namespace, device: str, stages_on_device: int) -
         flags.append("--enforce-eager")
     if args.quantization != "none":
         flags += ["--quantization", args.quantization]
+    if args.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.activation_compression != "none":
         flags += ["--activation-compression", args.activation_compression]
     if device.startswith("cuda"):  # stages sharing a GPU split its memory

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import PagedAttentionMetadata, write_kv_ref
+from kernels.paged_attention import PagedAttentionMetadata, to_cache_dtype, write_kv_ref
 from kernels.rotary import rope_inv_freq
 from stage_worker.block_tables import BlockTables
 from stage_worker.step_input import SeqChunk, build_context
@@ -42,7 +42,9 @@ class Case:
 
 def mixed_case(seed: int, hq: int, hkv: int, dim: int, block: int, num_blocks: int,
                shapes: tuple[tuple[int, int], ...] = MIXED, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> Case:
+               device: str = "cpu", kv_dtype: torch.dtype | None = None) -> Case:
+    """`kv_dtype`: the caches' dtype (default `dtype`; float8_e4m3fn for an fp8 cache)."""
+    kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     k_cache = torch.randn(num_blocks, block, hkv, dim, generator=gen)
@@ -60,14 +62,16 @@ def mixed_case(seed: int, hq: int, hkv: int, dim: int, block: int, num_blocks: i
         full_k.append(k)
         full_v.append(v)
         q_parts.append(torch.randn(new, hq, dim, generator=gen))
-    # Round through the test dtype so the float64 oracle sees the values the kernel sees.
-    full_k = [k.to(dtype) for k in full_k]
-    full_v = [v.to(dtype) for v in full_v]
+    # Round through the test dtype (and the cache's) so the float64 oracle sees the values
+    # the kernel sees.
+    full_k = [to_cache_dtype(k.to(dtype), kv_dtype).to(dtype) for k in full_k]
+    full_v = [to_cache_dtype(v.to(dtype), kv_dtype).to(dtype) for v in full_v]
     q_parts = [q.to(dtype) for q in q_parts]
     tables = BlockTables(len(chunks), max(len(c.block_table) for c in chunks), block,
                          torch.device(device))
     ctx = build_context(chunks, tables, rope_inv_freq(dim, 10000.0), torch.device(device))
-    k_cache, v_cache = k_cache.to(device, dtype), v_cache.to(device, dtype)
+    k_cache = to_cache_dtype(k_cache.to(dtype), kv_dtype).to(device)
+    v_cache = to_cache_dtype(v_cache.to(dtype), kv_dtype).to(device)
     new_k = torch.cat([k[c.num_computed:] for k, c in zip(full_k, chunks, strict=True)])
     new_v = torch.cat([v[c.num_computed:] for v, c in zip(full_v, chunks, strict=True)])
     write_kv_ref(new_k.to(device), new_v.to(device), k_cache, v_cache, ctx.slot_mapping)

@@ -26,16 +26,18 @@ DECODES = ((0, 1), (130, 1), (63, 1), (200, 1))  # one key tile to four, split K
 def check(device: str, dtype: torch.dtype, tol: float,
           splits: tuple[int | None, ...] = (None,),
           batches: tuple[tuple[tuple[int, int], ...], ...] = (MIXED, LONG, DECODES),
-          heads: tuple[tuple[int, int, int], ...] = HEADS) -> None:
+          heads: tuple[tuple[int, int, int], ...] = HEADS,
+          kv_dtype: torch.dtype | None = None) -> None:
     """Every head layout, the mixed, the long and the decode batch: kernel vs oracle and vs
     reference, with the split count the kernel picks (None) and each one given. A split
-    count above a sequence's key tiles leaves splits empty; they must weigh nothing."""
+    count above a sequence's key tiles leaves splits empty; they must weigh nothing.
+    `kv_dtype` float8_e4m3fn: an fp8 cache (the oracle sees the stored values)."""
     from kernels.paged_attention_triton import paged_attention_triton
 
     for hq, hkv, dim in heads:
         for seed, shapes in enumerate(batches):
             case = mixed_case(seed, hq, hkv, dim, block=16, num_blocks=64, shapes=shapes,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device, kv_dtype=kv_dtype)
             ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta,
                                       case.scale)
             ref_err = (ref.double().cpu() - case.want).abs().max().item()
@@ -54,12 +56,20 @@ def test_kernel_on_cuda(dtype: torch.dtype, tol: float) -> None:
     check("cuda", dtype, tol, splits=(None, 1, 2, 3, 16))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_kernel_over_an_fp8_cache_on_cuda(dtype: torch.dtype, tol: float) -> None:
+    check("cuda", dtype, tol, splits=(None, 1, 3), kv_dtype=torch.float8_e4m3fn)
+
+
 def test_kernel_in_the_triton_interpreter() -> None:
     run_interpreted("import torch; from tests.kernels.test_paged_attention_triton import "
                     "LONG, MIXED, DECODES, INTERPRETED_HEADS as H, check; "
                     "check('cpu', torch.float32, 1e-5, batches=(MIXED, LONG), heads=H); "
                     "check('cpu', torch.float32, 1e-5, splits=(3,), batches=(DECODES,), "
-                    "heads=H)")
+                    "heads=H); "
+                    "check('cpu', torch.float32, 1e-5, splits=(None, 3), batches=(MIXED,), "
+                    "heads=H[:1], kv_dtype=torch.float8_e4m3fn)")
 
 
 def test_split_count_follows_the_shape_only() -> None:
