@@ -23,9 +23,9 @@ sequence writes m = -inf, l = 0 and weighs nothing in the merge. The count is a 
 argument (not specialised): every count shares one compiled kernel, so no step waits on a
 compile for a batch size it has not seen.
 
-An fp8 cache (float8_e4m3fn) is passed as its bytes and widened to q's dtype in registers
-after each load (exact): half the bytes of a bf16 cache cross the memory bus, and the dots
-run in q's dtype as with a 16-bit cache.
+An fp8 cache (float8_e4m3fn) is passed as its bytes and widened in registers after each
+load (exact): half the bytes of a bf16 cache cross the memory bus. The dots then run in fp16
+(fp32 for fp32 queries), the cheapest widening of e4m3, with q converted once per program.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_hea
     read through its block table, folded into the online softmax (base 2: `qk_scale` is the
     softmax scale times log2(e), m_i is in those units). Not MASKED: the caller guarantees
     every key of the tile lies in [kv_lo, kv_end) and is visible to every row (no masks).
-    FP8_KV: K and V hold e4m3 bits (uint8), widened to q's dtype (exact) after the load."""
+    FP8_KV: K and V hold e4m3 bits (uint8), widened after the load (exact) to q's dtype:
+    fp32 under IEEE, else fp16 (the caller passes q in fp16): e4m3 -> fp16 is one
+    instruction per pair of values, where -> bf16 takes three."""
     key_pos = i * BLOCK_N + tl.arange(0, BLOCK_N)
     # kv_end <= seq_len (later keys are causally hidden anyway); kv_lo > 0 only in a split.
     if MASKED:
@@ -100,7 +102,7 @@ def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_hea
         v = tl.load(V + kv_off, mask=d_ok[None, :], other=0.0)
     if FP8_KV:
         k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # fp16 or fp32: see the caller
     if IEEE:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -168,6 +170,11 @@ def _paged_attention_kernel(
 
     q_ptr = Q + (q0 + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP8_KV and not IEEE:
+        # fp16 dots over the widened e4m3 K/V: q's 16-bit values are exact in fp16 within
+        # its range (bf16 has fewer mantissa bits), clamped to it (a query past 65504 would
+        # be inf); the products sum in fp32 as before.
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     # Row r sits at position seq_len - n_q + q_idx (rows past n_q see every key: no NaN).
     q_pos = seq_len - n_q + q_idx
 

@@ -45,7 +45,8 @@ def _to_cache(x, CACHE_DTYPE: tl.constexpr, FP8_KV: tl.constexpr):
         bits = xf.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32,
                                                                         bitcast=True)
-        subnormal = (xf + 24576.0) - 24576.0  # 1.5 * 2^14: fp32's step there is 2^-9
+        tiny = (tl.abs(xf) + 24576.0) - 24576.0  # 1.5 * 2^14: fp32's step there is 2^-9
+        subnormal = tl.where((bits >> 31) != 0, -tiny, tiny)  # the sign kept, -0 included
         xf = tl.where(tl.abs(xf) < 0.015625, subnormal, normal)
         xf = tl.minimum(tl.maximum(xf, -448.0), 448.0)
         return xf.to(tl.float8e4nv).to(tl.uint8, bitcast=True)

@@ -47,8 +47,8 @@ def check(device: str, dtypes: tuple[torch.dtype, ...],
             q = qkv[:, :hq * dim].view(tokens, hq, dim)
             k = qkv[:, hq * dim:(hq + hkv) * dim].view(tokens, hkv, dim)
             v = qkv[:, (hq + hkv) * dim:].view(tokens, hkv, dim)
-            if kv_dtype is not None:
-                v[:, 0, 0] = 600.0  # past e4m3's range
+            if kv_dtype is not None:  # past e4m3's range; negative values that round to -0
+                v[:, 0, :3] = torch.tensor([600.0, -4e-4, -0.0], dtype=dtype)
             positions = torch.randint(0, 4096, (tokens,), generator=gen)
             cos, sin = rope_cos_sin(rope_inv_freq(dim, 500000.0), positions)
             slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=gen)[:tokens]
