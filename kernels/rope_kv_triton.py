@@ -41,15 +41,16 @@ def _to_cache(x, CACHE_DTYPE: tl.constexpr, FP8_KV: tl.constexpr):
     below 2^-6, multiples of 2^-9) so the cast itself is exact: Triton's interpreter rounds
     fp8 casts without carrying into the exponent."""
     if FP8_KV:
-        xf = x.to(tl.float32)
-        bits = xf.to(tl.uint32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32,
-                                                                        bitcast=True)
-        tiny = (tl.abs(xf) + 24576.0) - 24576.0  # 1.5 * 2^14: fp32's step there is 2^-9
-        subnormal = tl.where((bits >> 31) != 0, -tiny, tiny)  # the sign kept, -0 included
-        xf = tl.where(tl.abs(xf) < 0.015625, subnormal, normal)
-        xf = tl.minimum(tl.maximum(xf, -448.0), 448.0)
-        return xf.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        mag_bits = bits & 0x7FFFFFFF
+        mag = mag_bits.to(tl.float32, bitcast=True)
+        normal = ((mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & 0x7FF00000).to(
+            tl.float32, bitcast=True)
+        subnormal = (mag + 24576.0) - 24576.0  # 1.5 * 2^14: fp32's step there is 2^-9
+        mag = tl.minimum(tl.where(mag < 0.015625, subnormal, normal), 448.0)
+        # The sign as a bit (-0 included: the GPU's conversions drop a zero's sign).
+        sign = ((bits >> 31) << 7).to(tl.uint8)
+        return mag.to(tl.float8e4nv).to(tl.uint8, bitcast=True) | sign
     return x.to(CACHE_DTYPE)
 
 
