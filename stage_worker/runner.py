@@ -140,9 +140,9 @@ class StageRunner(ModelRunner):
         if uses_triton_kernel(cfg.device, cfg.block_size, model_cfg.head_dim):
             self._warm_up()
         self.use_graphs = self.graphs is not None
-        log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens",
+        log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens (%s)",
                  cfg.layers.start, cfg.layers.end - 1, time.monotonic() - started,
-                 num_blocks, cfg.block_size)
+                 num_blocks, cfg.block_size, str(cfg.kv_dtype).removeprefix("torch."))
 
     @property
     def num_blocks(self) -> int:
