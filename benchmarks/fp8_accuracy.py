@@ -79,8 +79,8 @@ def main() -> None:
                        len(want)) for got, want in zip(free, reference, strict=True)]
         rows.append({
             "variant": name, "projection_MB": projection_bytes(pipe) / 1e6,
-            "kv_bytes_per_token": pipe.stages[0].kv.shape.bytes_per_block // pipe.cfg.block_size
-            * len(pipe.stages),
+            "kv_bytes_per_token": sum(s.kv.shape.bytes_per_block for s in pipe.stages)
+            // pipe.cfg.block_size,
             "max_abs_logit_diff": max(d.max().item() for d in diffs),
             "mean_abs_logit_diff": statistics.fmean(d.mean().item() for d in diffs),
             "rel_l2_err": max(((a.float() - b.float()).norm() / b.float().norm()).item()

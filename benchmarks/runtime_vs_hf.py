@@ -26,6 +26,7 @@ from benchmarks.shapes import SHAPES
 from foundation.model_config import ModelConfig
 from kernels import paged_attention
 from kernels.platform import PLATFORM
+from stage_worker.config import KV_CACHE_DTYPES
 from stage_worker.partition import LayerRange
 from stage_worker.runner import StageRunner, StageRunnerConfig
 from stage_worker.step_input import SeqChunk
@@ -200,7 +201,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", choices=("none", "fp8"),
                     help="our runner's projections in e4m3 (kernels.fp8_linear); with "
                          "--ours-only the logits are also checked against HF's")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="our runner's KV pool (fp8: e4m3); with --ours-only the logits are "
                          "also checked against HF's")
     ap.add_argument("--prefill", default="8x512,1x4096",
@@ -289,8 +290,8 @@ def ours_only(args: argparse.Namespace, config: dict[str, Any], roof: dict[str, 
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_elem = runner.kv.cache.element_size()
     if args.quantization != "none" or args.kv_cache_dtype != "auto":
-        label = "_".join(x for x in (args.quantization, "kv" + args.kv_cache_dtype)
-                         if x not in ("none", "kvauto"))
+        label = "_".join([*([args.quantization] if args.quantization != "none" else []),
+                          *(["kvfp8"] if args.kv_cache_dtype != "auto" else [])])
         config = {**config, "logits_vs_hf": check_logits(hf, runner, cfg.vocab_size,
                                                          ours=f"ours_{label}")}
         print(f"logits vs HF: {config['logits_vs_hf']}")

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_metadata import PagedAttentionMetadata
+from kernels.fp8_format import FP8
 from kernels.platform import TRITON_INTERPRETED
 
 
@@ -295,7 +296,7 @@ def paged_attention_triton(
     group = num_heads // kv_heads
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dimension must be contiguous"
     out = torch.empty_like(q)
-    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    fp8_kv = k_cache.dtype == FP8
     if fp8_kv:  # the bits, widened in the kernel (Triton's interpreter has no fp8 arrays)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     rows = meta.max_query_len * group

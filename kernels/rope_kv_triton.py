@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_format import FP8
+
 
 @triton.jit
 def _rotate(X, C, S, heads, stride_h, HALF: tl.constexpr, H_PAD: tl.constexpr,
@@ -101,7 +103,7 @@ def rope_and_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty(tokens, q_heads, dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    fp8_kv = k_cache.dtype == FP8
     if fp8_kv:  # written as bits (Triton's interpreter has no fp8 arrays)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _rope_kv_kernel[(tokens,)](
