@@ -147,18 +147,3 @@ def test_a_stage_with_fp8_weights_stores_them_and_stays_close(tmp_path: Path) ->
     rel = ((logits["fp8"] - logits["none"]).norm() / logits["none"].norm()).item()
     assert 0 < rel < 0.1, rel
 
-
-def test_serve_passes_quantization_to_every_stage(tmp_path: Path) -> None:
-    from stagemesh.cli import build_parser
-    from stagemesh.launcher import build_children
-    from tests.default_model import default_model_dir
-
-    parser = build_parser()
-    serve = parser.parse_args(["serve", "--model", str(default_model_dir()), "--device", "cpu",
-                               "--stages", "2", "--quantization", "fp8"])
-    stages = [c for c in build_children(serve, tmp_path) if c.role.startswith("stage")]
-    assert len(stages) == 2
-    for child in stages:
-        assert parser.parse_args(child.argv[3:]).quantization == "fp8"  # after -m stagemesh
-    with pytest.raises(SystemExit):
-        parser.parse_args(["stage", "--quantization", "int4"])

@@ -146,3 +146,22 @@ def test_serve_refuses_a_layer_split_that_does_not_fit(layers: str, stages: str,
     assert result.returncode != 0
     assert "--layers:" in result.stderr and "summing to 2" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("flag", "value", "attr", "bad"),
+                         [("--quantization", "fp8", "quantization", "int4"),
+                          ("--kv-cache-dtype", "fp8", "kv_cache_dtype", "int4")])
+def test_serve_passes_stage_storage_flags_to_every_stage(tmp_path: Path, flag: str, value: str,
+                                                         attr: str, bad: str) -> None:
+    from stagemesh.launcher import build_children
+    from tests.default_model import default_model_dir
+
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "--model", str(default_model_dir()), "--device", "cpu",
+                               "--stages", "2", flag, value])
+    stages = [c for c in build_children(serve, tmp_path) if c.role.startswith("stage")]
+    assert len(stages) == 2
+    for child in stages:
+        assert getattr(parser.parse_args(child.argv[3:]), attr) == value  # after -m stagemesh
+    with pytest.raises(SystemExit):
+        parser.parse_args(["stage", flag, bad])
