@@ -65,13 +65,22 @@ def stage_figures(address: str) -> list[dict[str, float]]:
 def hop_transports(address: str) -> list[str]:
     """The data-plane transport of each hop of the mesh at `address`, as its router reports
     it (GetModelInfo): what a figure was measured over, not what was asked for."""
+    return list(_model_info(address).hop_transports)
+
+
+def micro_batches(address: str) -> int:
+    """The micro-batches the router at `address` keeps in flight (GetModelInfo)."""
+    return int(_model_info(address).micro_batches)
+
+
+def _model_info(address: str) -> Any:
     import asyncio
 
     from router.client import RouterClient
 
-    async def ask() -> list[str]:
+    async def ask() -> Any:
         async with RouterClient(address) as client:
-            return list((await client.model_info(timeout=30)).hop_transports)
+            return await client.model_info(timeout=30)
 
     return asyncio.run(ask())
 

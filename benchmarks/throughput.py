@@ -23,6 +23,7 @@ from benchmarks.otlp_sink import OtlpSink
 from benchmarks.report import (
     git_revision,
     hop_transports,
+    micro_batches,
     print_table,
     process_cpu,
     stage_figures,
@@ -170,6 +171,7 @@ def _measure(args: argparse.Namespace, stages: int, traced: bool, metrics: bool,
         with Mesh(*flags, timeout=900) as mesh:
             before = process_cpu(mesh.proc.proc.pid)
             row = {"hop_transports": hop_transports(mesh.address),
+                   "micro_batches": micro_batches(mesh.address),
                    **run(mesh.address, prompts, args.output_len, args.clients)}
             after = process_cpu(mesh.proc.proc.pid)
             # CPU seconds of each part of the mesh over the run (its warm-up requests too)

@@ -42,6 +42,11 @@ class RouterConfig:
         run_ahead_depth: with run_ahead, steps of one sequence outstanding at once (>= 2);
             up to stages * depth steps are outstanding, and the core sends the plans it
             has ready together in one message per stage.
+        micro_batches: steps kept in flight through the pipeline, over disjoint sets of
+            sequences (pipeline micro-batches), at most one per stage; 0 = one per device
+            the stages compute on: one per stage, but stages that share a GPU take turns on
+            it, so they get one between them (two micro-batches there would read the
+            weights twice per token for no overlap).
         api_processes: processes serving the public API on host:port, each a front of the
             one engine core: the router's own and api_processes - 1 front processes
             (`router.front_process`), all bound with SO_REUSEPORT so the kernel spreads
@@ -99,6 +104,7 @@ class RouterConfig:
     engine_core: str = "process"
     run_ahead: bool = True
     run_ahead_depth: int = 4
+    micro_batches: int = 0
     stage_token: str = field(default="", repr=False)
     api_processes: int = 1
     audit_log: bool = True
@@ -123,6 +129,9 @@ class RouterConfig:
         if self.run_ahead_depth < 2:
             raise ValueError(f"run_ahead_depth must be >= 2 (one step planned on another), "
                              f"got {self.run_ahead_depth}")
+        if self.micro_batches < 0:
+            raise ValueError(f"micro_batches must be >= 0 (0 = one per device), got "
+                             f"{self.micro_batches}")
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}, "
                              f"got {self.tool_call_parser!r}")

@@ -252,6 +252,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             tp_size=info.tp_size, block_size=info.block_size, dtype=info.dtype,
             max_tokens_limit=limits.max_tokens_cap, max_n=limits.max_n,
             max_logprobs=limits.max_logprobs, hop_transports=self.front.hop_transports,
+            micro_batches=info.micro_batches,
         )
 
     @unary_errors

@@ -328,3 +328,14 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+@functools.cache
+def device_id(device: str) -> str:
+    """The physical GPU behind `device` ("cuda:0"), as Describe reports it: the card's UUID,
+    the same in every process whatever CUDA_VISIBLE_DEVICES renumbers; "" for a CPU stage
+    (each CPU stage counts as its own device)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return ""
+    return f"GPU-{torch.cuda.get_device_properties(dev).uuid}"

@@ -18,7 +18,7 @@ from stage_worker.config import StageConfig
 from stage_worker.convert import error_to_proto, outcome_to_proto, plan_from_proto
 from stage_worker.dataplane import TransportError, TransportKind
 from stage_worker.leader import StageLeader
-from stage_worker.links import host_id
+from stage_worker.links import device_id, host_id
 from stage_worker.plan import PlanError, StageOutcome, StagePlan
 from stage_worker.stage_rank import StageRank
 
@@ -177,7 +177,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             transports=[_KIND_ENUMS[k] for k in self.leader.transports], host_id=host_id(),
             max_num_batched_tokens=i.max_num_batched_tokens, max_num_seqs=i.max_num_seqs,
             model_impl=i.model_impl, steps=self.leader.window.total,
-            step_time_ms=step_s * 1e3, bubble_fraction=bubble,
+            step_time_ms=step_s * 1e3, bubble_fraction=bubble, device_id=device_id(i.device),
         )
 
     async def Connect(self, request: pb.ConnectRequest,

@@ -22,7 +22,7 @@ from foundation.model_config import ModelConfig
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc
 from stage_worker.config import StageConfig
-from stage_worker.links import host_id
+from stage_worker.links import device_id, host_id
 from stage_worker.service import StageServicer
 
 log = logging.getLogger("stagemesh.stage")
@@ -89,7 +89,8 @@ class StandbyServicer(stage_pb2_grpc.StageServiceServicer):
         cfg = self.cfg
         return pb.DescribeResponse(standby=True, device=cfg.device, dtype=cfg.dtype,
                                    block_size=cfg.block_size, model_impl=cfg.model_impl,
-                                   host_id=host_id(), transports=[pb.TRANSPORT_TCP])
+                                   host_id=host_id(), transports=[pb.TRANSPORT_TCP],
+                                   device_id=device_id(cfg.device))
 
     async def Assign(self, request: pb.AssignRequest,
                      context: grpc.aio.ServicerContext) -> pb.DescribeResponse:

@@ -75,6 +75,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "2 is the least: one planned on another); deeper lets the router "
                         "send several steps' plans in one message, and a finish learned "
                         "late costs up to depth - 1 discarded tokens of that sequence")
+    p.add_argument("--micro-batches", type=int, default=0, metavar="N",
+                   help="steps kept in flight through the pipeline over disjoint sequences, "
+                        "at most one per stage (default 0: one per device the stages compute "
+                        "on; stages that share one GPU take turns on it and get one between "
+                        "them)")
     p.add_argument("--trace-step-interval", type=int, default=64, metavar="N",
                    help="with tracing on, every N-th step that computes a traced request's "
                         "sequence is recorded by each stage as a span of that request's trace "
@@ -156,7 +161,8 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
         step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
         engine_core=args.engine_core, run_ahead=not args.no_run_ahead,
-        run_ahead_depth=args.run_ahead_depth, trace_step_interval=args.trace_step_interval,
+        run_ahead_depth=args.run_ahead_depth, micro_batches=args.micro_batches,
+        trace_step_interval=args.trace_step_interval,
         api_processes=args.api_processes,
         api_keys=api_keys(args),
         audit_log=not args.no_audit_log, audit_log_content=args.audit_log_content,

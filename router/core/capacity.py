@@ -49,18 +49,35 @@ def plan_capacity(cfg: CoreConfig, model: ModelConfig, shape: PipelineShape) -> 
                     "there)", model.sliding_window)
     if cfg.max_model_len:
         context = min(context, cfg.max_model_len)
+    micro_batches = _micro_batches(cfg, shape)
     max_len = min(context, shape.num_kv_blocks * shape.block_size)
     if max_len < context:
         log.warning("context capped at %d tokens: the KV pool holds %d blocks of %d",
                     max_len, shape.num_kv_blocks, shape.block_size)
     scheduler = SchedulerConfig(
         max_num_batched_tokens=step_tokens, max_num_seqs=cfg.max_num_seqs,
-        max_model_len=max_len, max_inflight_steps=shape.num_stages, run_ahead=cfg.run_ahead,
+        max_model_len=max_len, max_inflight_steps=micro_batches, run_ahead=cfg.run_ahead,
         run_ahead_depth=cfg.run_ahead_depth,
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
     kv = KVCacheConfig(shape.num_kv_blocks, shape.block_size, cfg.enable_prefix_caching)
     return Capacity(scheduler, kv, RequestLimits(max_model_len=max_len,
                                                  vocab_size=model.vocab_size))
+
+
+def _micro_batches(cfg: CoreConfig, shape: PipelineShape) -> int:
+    """--micro-batches, or one per device the stages compute on (`PipelineShape.num_devices`).
+    Raises CapacityError past one per stage (a stage would hold two steps at once)."""
+    if cfg.micro_batches > shape.num_stages:
+        raise CapacityError(
+            f"--micro-batches {cfg.micro_batches} exceeds the pipeline's {shape.num_stages} "
+            f"stage(s): at most one micro-batch per stage; give {shape.num_stages} or less "
+            f"(0: one per device)")
+    chosen = cfg.micro_batches or shape.num_devices
+    if chosen < shape.num_stages:
+        log.info("%d micro-batch(es) in flight over %d stages (%s)", chosen, shape.num_stages,
+                 "--micro-batches" if cfg.micro_batches else
+                 f"the stages compute on {shape.num_devices} device(s)")
+    return chosen
 
 
 def _check_flag(flag: str, value: int, shape: PipelineShape, field: str, meaning: str) -> None:

@@ -23,6 +23,7 @@ class CoreConfig:
         run_ahead: plan a sequence's next step before its token came back (the stages feed
             the token to the first stage over the data plane).
         run_ahead_depth: as `RouterConfig`.
+        micro_batches: as `RouterConfig`.
         stage_token: as `RouterConfig`.
         transport: the data-plane transport asked for, as `RouterConfig` ("auto", "tcp",
             "cuda_ipc", "nccl"); the pipeline driver picks each hop's (`Pipeline.hop_transports`).
@@ -47,6 +48,7 @@ class CoreConfig:
     step_timeout_s: float = 30.0
     run_ahead: bool = True
     run_ahead_depth: int = 4
+    micro_batches: int = 0
     stage_token: str = field(default="", repr=False)
     transport: str = "auto"
     standby_stages: tuple[str, ...] = ()

@@ -112,7 +112,7 @@ class EngineCore:
     def _build(self, shape: PipelineShape) -> tuple[Scheduler, ServedInfo]:
         capacity = plan_capacity(self.cfg, self.model, shape)
         served = ServedInfo(capacity.limits, shape.dtype, shape.tp_size, shape.num_stages,
-                            shape.block_size)
+                            shape.block_size, capacity.scheduler.max_inflight_steps)
         return Scheduler(capacity.scheduler, capacity.kv), served
 
     async def serve(self) -> None:

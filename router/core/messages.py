@@ -183,6 +183,7 @@ class ServedInfo(msgspec.Struct, array_like=True):
     tp_size: int
     num_stages: int
     block_size: int
+    micro_batches: int = 1
 
 
 class CoreState(msgspec.Struct, tag=True, array_like=True):

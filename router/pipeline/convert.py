@@ -193,7 +193,8 @@ def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:
         model_impl=msg.model_impl, kv_blocks_used=msg.kv_blocks_used,
         num_sequences=msg.num_sequences, transports=transports or ("tcp",),
         host_id=msg.host_id, standby=msg.standby, steps=msg.steps,
-        step_time_ms=msg.step_time_ms, bubble_fraction=msg.bubble_fraction)
+        step_time_ms=msg.step_time_ms, bubble_fraction=msg.bubble_fraction,
+        device_id=msg.device_id)
 
 
 def assign_request(index: int, shape: PipelineShape) -> pb.AssignRequest:

@@ -20,6 +20,8 @@ class StageInfo:
         that reports none offers "tcp".
     host_id: which machine it runs on (host name and boot id): two stages with the same
         non-empty host_id share a host; "" = not reported (an older stage).
+    device_id: the GPU it computes on (the card's UUID): two stages with the same non-empty
+        device_id take turns on one GPU; "" = a CPU stage, or not reported.
     """
 
     stage_index: int
@@ -43,6 +45,7 @@ class StageInfo:
     steps: int = 0  # live figures (Describe at the time): steps run, recent step time, bubble
     step_time_ms: float = 0.0
     bubble_fraction: float = 0.0
+    device_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class PipelineShape:
 
     limiting_stage: for each capacity field, the index of a stage that set the minimum (to
     name it in errors).
+    num_devices: the devices the stages compute on, which can work at once: stages that
+    report one GPU (the same device_id) count once; a CPU stage counts alone.
     """
 
     num_stages: int
@@ -65,6 +70,7 @@ class PipelineShape:
     max_num_seqs: int
     layer_ranges: tuple[tuple[int, int], ...]
     limiting_stage: dict[str, int]
+    num_devices: int = 1
 
     def covers(self, other: PipelineShape) -> str | None:
         """None when this shape can run everything `other` (the one the scheduler was built
@@ -104,7 +110,8 @@ def check_shape(infos: list[StageInfo]) -> PipelineShape:
         max_num_batched_tokens=infos[limiting["max_num_batched_tokens"]].max_num_batched_tokens,
         max_num_seqs=infos[limiting["max_num_seqs"]].max_num_seqs,
         layer_ranges=tuple((i.layer_start, i.layer_end) for i in infos),
-        limiting_stage=limiting)
+        limiting_stage=limiting,
+        num_devices=len({info.device_id or f"stage {i}" for i, info in enumerate(infos)}))
 
 
 def _smallest(infos: list[StageInfo], name: str) -> int:

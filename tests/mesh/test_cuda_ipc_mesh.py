@@ -69,6 +69,7 @@ def test_greedy_tokens_over_cuda_ipc_equal_tcp(ipc_mesh: Mesh,
     assert [s.transport for s in stats.stages] == ["cuda_ipc", ""]
     info = ipc_mesh.stub().GetModelInfo(pb.GetModelInfoRequest())
     assert list(info.hop_transports) == ["cuda_ipc"]
+    assert info.micro_batches == 1  # the two stages share the GPU: one step in flight
 
 
 def test_a_killed_stage_comes_back_over_cuda_ipc_and_no_request_is_lost(

@@ -129,6 +129,7 @@ def test_capacity_is_the_minimum_over_stages(model_dir: Path) -> None:
             assert info.context_length == min(300 * 16, 8192)  # the pool caps the context
             assert (info.num_stages, info.block_size) == (2, 16)
             assert list(info.hop_transports) == ["tcp"]
+            assert info.micro_batches == 2  # CPU stages: each its own device
 
     asyncio.run(run())
 
@@ -147,6 +148,18 @@ def test_router_flags_beyond_a_stage_fail_with_one_line_naming_it(model_dir: Pat
         message = str(info.value)
         assert "--max-num-batched-tokens 1024 exceeds" in message
         assert "stage 1" in message and "(512)" in message
+
+    asyncio.run(run())
+
+
+def test_more_micro_batches_than_stages_fail_with_one_line_naming_the_flag(
+        model_dir: Path) -> None:
+    async def run() -> None:
+        with pytest.raises(CoreStartError) as info:
+            async with in_process_mesh(null_stages(model_dir, 2), micro_batches=3):
+                pass
+        assert info.value.kind == "capacity"
+        assert "--micro-batches 3 exceeds the pipeline's 2 stage(s)" in str(info.value)
 
     asyncio.run(run())
 
@@ -213,15 +226,20 @@ def test_servicer_errors_and_tokenize(model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_two_stages_match_hf_greedy(model_dir: Path) -> None:
-    """The real model split in two in-process stages gives HF transformers' greedy tokens."""
+@pytest.mark.parametrize("micro_batches", [0, 1], ids=["one-per-stage", "one"])
+def test_default_model_two_stages_match_hf_greedy(model_dir: Path, micro_batches: int) -> None:
+    """The real model split in two in-process stages gives HF transformers' greedy tokens,
+    with a micro-batch per stage (CPU stages) and with one between them (as stages that share
+    a GPU run: each step's tokens fed back to stage 0 for the very next step)."""
     from tests.default_model import MAX_NEW, chat_prompts, hf_greedy
 
     prompts, want = chat_prompts()[:2], hf_greedy()[:2]
     configs = stage_configs(model_dir, 2, num_blocks=128)
 
     async def run() -> None:
-        async with in_process_mesh(configs) as mesh, mesh.client() as client:
+        async with in_process_mesh(configs, micro_batches=micro_batches) as mesh, \
+                mesh.client() as client:
+            assert (await client.model_info()).micro_batches == (micro_batches or 2)
             outs = await asyncio.gather(*(
                 client.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0)
                 for p in prompts))
@@ -251,6 +269,29 @@ def test_run_ahead_gives_the_same_tokens(model_dir: Path, num_stages: int) -> No
         assert [len(t) for t in outs] == list(range(24, 30))  # max_tokens, exactly
         assert sorted(t[0] for t in outs) == list(range(1, 7))  # sequence ids 1..6
         assert all(t == list(range(t[0], t[0] + len(t))) for t in outs)
+
+
+@pytest.mark.parametrize(("num_stages", "micro_batches"), [(2, 1), (3, 1), (3, 2)])
+def test_fewer_micro_batches_than_stages_give_the_same_tokens(
+        model_dir: Path, num_stages: int, micro_batches: int) -> None:
+    """As stages that share a GPU run: a step planned on the one before it (run-ahead gap
+    1 or 2 over 2-3 stages), so stage 0 waits for tokens sampled one step earlier. Token
+    checks as `test_run_ahead_gives_the_same_tokens`; KV back to idle everywhere."""
+    async def run() -> list[list[int]]:
+        async with in_process_mesh(null_stages(model_dir, num_stages),
+                                   micro_batches=micro_batches) as mesh, \
+                mesh.client() as client:
+            assert (await client.model_info()).micro_batches == micro_batches
+            outs = await asyncio.gather(*(
+                client.complete(prompt=f"request {i}", max_tokens=24 + i, ignore_eos=True,
+                                request_id=f"r{i}") for i in range(6)))
+            await wait_idle(client, mesh.stage_sequences)
+            return [o.token_ids[0] for o in outs]
+
+    outs = asyncio.run(run())
+    assert [len(t) for t in outs] == list(range(24, 30))
+    assert sorted(t[0] for t in outs) == list(range(1, 7))
+    assert all(t == list(range(t[0], t[0] + len(t))) for t in outs)
 
 
 @pytest.mark.slow

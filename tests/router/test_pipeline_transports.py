@@ -12,7 +12,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -25,6 +25,7 @@ from router.core.config import CoreConfig
 from router.main import core_config
 from router.pipeline import Pipeline, PipelineError, StageInfo
 from router.pipeline.convert import connect_request, info_from_describe, listen_request
+from router.pipeline.shape import check_shape
 from router.pipeline.transports import choose_transport, describe_hops
 from stagemesh.cli import build_parser
 from stagemesh.cli_services import router_config
@@ -137,6 +138,20 @@ def test_describe_maps_transports_and_host_and_an_old_stage_offers_tcp() -> None
     assert nccl.transports == ("nccl",)
     old = info_from_describe(pb.DescribeResponse(stage_index=0, num_stages=2))
     assert (old.transports, old.host_id) == (("tcp",), "")
+    assert info_from_describe(pb.DescribeResponse(device_id="GPU-1")).device_id == "GPU-1"
+
+
+@pytest.mark.parametrize(("device_ids", "devices"), [
+    (("GPU-a", "GPU-a", "GPU-a"), 1),  # three stages take turns on one GPU
+    (("GPU-a", "GPU-b", "GPU-a"), 2),
+    (("GPU-a", "GPU-b", "GPU-c"), 3),
+    (("", "", ""), 3),  # CPU stages (or none reported): each its own
+    (("GPU-a", "", "GPU-a"), 2),
+])
+def test_stages_that_report_one_gpu_count_as_one_device(device_ids: tuple[str, ...],
+                                                        devices: int) -> None:
+    infos = [replace(_info(i, num_stages=3), device_id=d) for i, d in enumerate(device_ids)]
+    assert check_shape(infos).num_devices == devices
 
 
 def test_listen_and_connect_requests_carry_the_transport() -> None:
@@ -175,13 +190,18 @@ def test_the_flag_reaches_the_core_and_serve_passes_it_to_router_and_stages(
         assert parser.parse_args([command, "--model", str(model_dir), "--transport",
                                   "nccl"]).transport == "nccl"
     serve = parser.parse_args(["serve", "--model", str(model_dir), "--device", "cpu",
-                               "--stages", "2", "--transport", "cuda_ipc"])
+                               "--stages", "2", "--transport", "cuda_ipc",
+                               "--micro-batches", "1"])
     children = build_children(serve, tmp_path)
     assert [c.role for c in children] == ["stage 0", "stage 1", "router", "gateway"]
     for child in children[:3]:
         i = child.argv.index("--transport")
         assert child.argv[i + 1] == "cuda_ipc", child.role
         assert parser.parse_args(child.argv[3:]).transport == "cuda_ipc"  # after -m stagemesh
+    router = parser.parse_args(children[2].argv[3:])
+    assert router_config(router, ("127.0.0.1:1",)).micro_batches == 1
+    assert core_config(router_config(router, ("127.0.0.1:1",)), "x").micro_batches == 1
+    assert router_config(default, ("127.0.0.1:1",)).micro_batches == 0  # one per device
 
 
 # --- the driver against fake stages ----------------------------------------------------------
