@@ -128,9 +128,12 @@ class DecodeGraphs:
         """Whether this step can replay a graph: all decodes, within the buffers."""
         return len(chunks) <= self.buckets[-1] and all(c.num_new == 1 for c in chunks)
 
-    def run(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor,
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Replay for `chunks` (see `covers`); returns hidden states [n, H] (a view of the
-        graph's output, valid until the next replay). `inputs` [n] or [n, H] on the device.
+        graph's output, valid until the next replay). `inputs` [n] or [n, H] on the device;
+        `fill`, if given, writes late inputs into the graph's input rows [n] just before the
+        replay (`ModelRunner.execute`).
 
         The table rows and lengths are staged on the host as one int64 array and uploaded
         without blocking; every other buffer update is a device-side copy or fill.
@@ -148,5 +151,7 @@ class DecodeGraphs:
         if n < b:  # padding rows: position 0 of the scratch block
             self.seq_lens[n:b].fill_(1)
             self.table_rows[n:b].fill_(self.tables.padding_row)
+        if fill is not None:
+            fill(self.inputs[:n])
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -154,6 +154,15 @@ class HeldSeqs:
                 if index is not None:
                     state.token_ids[index] = token_id
 
+    def fill_inputs(self, fed: Mapping[int, int]) -> None:
+        """The first stage of several learned the run-ahead tokens of a step it applied
+        with `deferred` (seq_id -> token): they replace the placeholders in the histories."""
+        seqs, unfilled = self.seqs, self._unfilled
+        for seq_id, token_id in fed.items():
+            index = unfilled.pop(seq_id, None)
+            if index is not None:
+                seqs[seq_id].token_ids[index] = token_id
+
     def note_sampling(self, step_id: int, seq_ids: Sequence[int]) -> None:
         """`step_id` is sampling `seq_ids` on the device: a plan may name it as their
         run-ahead step before `record_sampled` brings the tokens."""

@@ -8,6 +8,12 @@ the output downstream or, on the last stage, sample, wait once for the sampled i
 copy, record them and send them back to the first stage. The outcome answers the router.
 Synchronous; the gRPC service calls it from one worker thread.
 
+The first stage of several at TP size 1 takes its run-ahead inputs late (`feeds_late`): it
+applies the plan, lays the step out and uploads it, and only then waits for the tokens the
+last stage fed back, writes them into the step's token ids on the device and launches. When
+stages share one GPU with one micro-batch between them, that wait is all the host work
+between the last stage's sampling and this stage's next step on the GPU.
+
 A one-stage pipeline at TP size 1 overlaps steps (`step_overlapped`): when the next plan is
 already queued, it queues that step's forward pass on the GPU before waiting for the
 previous step's tokens, so the host prepares step k+1 while the GPU runs step k. Step k+1
@@ -18,7 +24,7 @@ them when step k resolves, before step k+1 samples (penalties and seeded draws s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +39,7 @@ from stage_worker.dataplane.compression import (
     decompress,
 )
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
-from stage_worker.host_transfer import host_tensor
+from stage_worker.host_transfer import host_tensor, upload
 from stage_worker.links import (
     DataPlaneAddress,
     DataPlaneLinks,
@@ -43,7 +49,7 @@ from stage_worker.links import (
 )
 from stage_worker.metrics import StageMetrics, StepWindow
 from stage_worker.plan import PromptLogprobs, SampledToken, StageOutcome, StagePlan
-from stage_worker.stage_rank import StageRank
+from stage_worker.stage_rank import LateInputs, StageRank
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample
 
@@ -89,6 +95,7 @@ class StageLeader:
                                     on_feedback=inbox.attach, ring=ring,
                                     config=dataplane_config, nccl_device=nccl)
         self._pending: _Sampling | None = None  # `step_overlapped`: sampled, not resolved
+        self._late_wait = 0.0  # `feeds_late`: this step's wait for its run-ahead tokens
         self.steps_overlapped = 0  # steps queued on the GPU before the previous one resolved
         self.window = StepWindow()  # the last seconds of steps, for Describe
         self.metrics: StageMetrics | None = None  # set by the stage's entry point
@@ -98,6 +105,14 @@ class StageLeader:
         """Whether steps run through `step_overlapped`: a one-stage pipeline, TP size 1."""
         rank = self.rank
         return rank.is_first and rank.is_last and rank.tp.size == 1
+
+    @property
+    def feeds_late(self) -> bool:
+        """Whether run-ahead inputs are written late, after the step's host work (see the
+        module's docstring): the first stage of several, TP size 1 (other ranks would need
+        the tokens before the step)."""
+        rank = self.rank
+        return rank.is_first and not rank.is_last and rank.tp.size == 1
 
     def listen_upstream(self, router_host: str, token: bytes, epoch: int,
                         kind: TransportKind = TransportKind.TCP) -> str:
@@ -143,12 +158,15 @@ class StageLeader:
         sent: tuple[str, float] | None = None
         rank = self.rank
         rank.check(plan)
-        fed = self._run_ahead_inputs(plan)
+        late = self._late_inputs(plan.step_id) if self.feeds_late else None
+        fed = {} if late is not None else self._run_ahead_inputs(plan)
         upstream = None if rank.is_first else self._receive(plan)
         waited = time.perf_counter() - started
         tp_fanout.send_plan(rank.tp, plan, fed)
         on_device = self.feedback if rank.is_first and rank.is_last else None
-        chunks, out = rank.step(plan, upstream, fed, on_device)
+        self._late_wait = 0.0
+        chunks, out = rank.step(plan, upstream, fed, on_device, late=late)
+        waited += self._late_wait
         if rank.is_last:
             outcome = self._resolve(self._start_sampling(plan.step_id, chunks, out))
         else:
@@ -230,6 +248,22 @@ class StageLeader:
         if pending is not None:
             deliver(self._resolve(pending))
 
+    def _late_inputs(self, step_id: int) -> LateInputs:
+        """`feeds_late`: writes step `step_id`'s run-ahead inputs once their tokens came on
+        the feedback link (FeedbackMissingError when they do not, as `_run_ahead_inputs`),
+        and puts them in the held histories."""
+        def fill(ahead: Sequence[tuple[int, int, int]], ids: torch.Tensor) -> None:
+            waiting = time.perf_counter()
+            fed = self.feedback.take(step_id, [(seq_id, k) for _, seq_id, k in ahead],
+                                     self.step_timeout_s)
+            self._late_wait += time.perf_counter() - waiting
+            rows = [row for row, _, _ in ahead]
+            packed = upload(host_tensor(rows + [fed[seq_id] for _, seq_id, _ in ahead]),
+                            ids.device)
+            ids.index_copy_(0, packed[:len(rows)], packed[len(rows):])
+            self.rank.held.fill_inputs(fed)
+        return fill
+
     def _run_ahead_inputs(self, plan: StagePlan, unresolved: int | None = None
                           ) -> dict[int, int]:
         """seq_id -> token of every run-ahead input, where the stage keeps tokens: the last
@@ -273,10 +307,11 @@ class StageLeader:
         if sampling.sample is not None:
             ids, logprobs = sampling.sample.resolve()
             seq_ids, token_ids = sampling.sample.seq_ids, tuple(ids)
-            rank.held.record_sampled(sampling.step_id, seq_ids, token_ids)
-        if not rank.is_first:
+        if not rank.is_first:  # first: the first stage may be waiting for them to step
             self.links.send_feedback(sampling.step_id,
                                      [host_tensor(seq_ids), host_tensor(token_ids)])
+        if seq_ids:
+            rank.held.record_sampled(sampling.step_id, seq_ids, token_ids)
         return self._outcome(sampling.step_id, seq_ids, token_ids, logprobs, sampling.prompt)
 
     def _outcome(self, step_id: int, seq_ids: tuple[int, ...] = (),

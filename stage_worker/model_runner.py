@@ -8,7 +8,7 @@ paged KV pool) and `null_runner.NullRunner` (no model compute, for the control p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,9 @@ from stage_worker.held_seqs import HeldSeq
 from stage_worker.partition import LayerRange
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample
+
+# Writes late inputs into a step's token ids on the device ([T] int64), see `execute`.
+InputFill = Callable[[torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,10 @@ class ModelRunner(ABC):
       Returns hidden states [T, H] on a non-last stage. On the last stage it returns the
       step's scores for the chunks with `sample` set, [S, *] in chunk order, which only this
       runner's `sample` reads (the torch model: fp32 logits [S, V]; no compute: [S, 0]).
+      `fill` (first stage only): called once with the step's token ids as the device will
+      read them ([T] int64), after the step's host work and before its first kernel, to
+      write inputs that were not known when the step began (run-ahead tokens fed back from
+      the last stage; see `InputFill`).
     - `sample(seqs, scores)` (last stage, TP rank 0 only) picks one token per sampling
       chunk from `execute`'s scores and each sequence's sampling state (its params, prompt,
       outputs and output count), in the same order; it records nothing. The tokens stay on
@@ -78,7 +85,8 @@ class ModelRunner(ABC):
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
     @abstractmethod
-    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor: ...
+    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor,
+                fill: InputFill | None = None) -> torch.Tensor: ...
 
     @abstractmethod
     def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample: ...

@@ -14,7 +14,7 @@ import torch
 
 from stage_worker.held_seqs import HeldSeq
 from stage_worker.host_transfer import host_tensor
-from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
+from stage_worker.model_runner import InputFill, ModelRunner, StageCapacity, StageShape
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample
 
@@ -42,9 +42,13 @@ class NullRunner(ModelRunner):
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Nothing to copy: there is no KV."""
 
-    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
+    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor,
+                fill: InputFill | None = None) -> torch.Tensor:
         """Zeros [T, H] (first stage), `inputs` (middle), or [S + P, 0] scores (last stage;
-        see `StageRunner.execute`)."""
+        see `StageRunner.execute`). `fill` runs as on a real stage (it waits for the
+        run-ahead tokens), though no kernel reads what it writes."""
+        if fill is not None:
+            fill(inputs)
         layers = self._shape.layers
         if layers.is_last:
             return torch.empty(sum(c.sample + c.prompt_rows for c in chunks), 0)

@@ -22,7 +22,7 @@ from stage_worker.host_transfer import to_device, upload
 from stage_worker.kv_pool import KVPool, KVPoolShape
 from stage_worker.loader import load_stage_weights, load_stage_weights_from_tensors
 from stage_worker.mixed_graphs import MixedGraphs
-from stage_worker.model_runner import ModelRunner, StageCapacity, StageShape
+from stage_worker.model_runner import InputFill, ModelRunner, StageCapacity, StageShape
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.parallel import TPGroup, shard_heads
 from stage_worker.partition import LayerRange
@@ -226,11 +226,14 @@ class StageRunner(ModelRunner):
         return self.cfg.layers.is_last
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
+    def execute(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor,
+                fill: InputFill | None = None) -> torch.Tensor:
         """Run one step.
 
         inputs: token ids [T] (int64) on the first stage, hidden states [T, H] elsewhere, T
         being the sum of the chunks' num_new, in chunk order.
+        fill: first stage, see `ModelRunner.execute`: called after the host work (block
+        tables, layout, uploads) and before the step's first kernel.
         Returns hidden states [T, H] on a non-last stage; on the last stage, fp32 logits
         [S + P, V]: the S chunks with `sample` set (their last rows), then the P prompt rows
         of chunks with `prompt_rows` (see `step_input.score_rows`).
@@ -238,9 +241,11 @@ class StageRunner(ModelRunner):
         device = self.cfg.device
         inputs = upload(inputs, device)  # a no-op for inputs already there
         if self.graphs is not None and self.use_graphs and self.graphs.covers(chunks):
-            hidden = self.graphs.run(chunks, inputs)
+            hidden = self.graphs.run(chunks, inputs, fill)
         else:
             ctx = build_context(chunks, self.tables, self.inv_freq, device)
+            if fill is not None:
+                fill(inputs)
             if self.mixed_graphs is not None and self.use_graphs \
                     and self.mixed_graphs.covers(chunks):
                 hidden = self.mixed_graphs.run(inputs, ctx)

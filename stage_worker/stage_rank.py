@@ -8,19 +8,23 @@ then sends the output downstream or samples (`StageRank.sample`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from stage_worker.feedback import FeedbackStore, gather_device_inputs
 from stage_worker.held_seqs import HeldSeqs
 from stage_worker.host_transfer import host_tensor, upload
-from stage_worker.model_runner import ModelRunner
+from stage_worker.model_runner import InputFill, ModelRunner
 from stage_worker.parallel import TPGroup
 from stage_worker.plan import PlanError, PromptLogprobs, StagePlan
 from stage_worker.plan_check import StepLimits, check_plan
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample, score_prompts
+
+# Writes a step's run-ahead inputs late (see `StageRank.step`): called with the step's
+# (row, seq_id, step) of every run-ahead input and its token ids [T] on the device.
+LateInputs = Callable[[Sequence[tuple[int, int, int]], torch.Tensor], None]
 
 
 class StageRank:
@@ -56,7 +60,8 @@ class StageRank:
 
     def step(self, plan: StagePlan, upstream: torch.Tensor | None,
              fed: Mapping[int, int] | None = None, on_device: FeedbackStore | None = None,
-             deferred: bool = False) -> tuple[list[SeqChunk], torch.Tensor | None]:
+             deferred: bool = False, late: LateInputs | None = None
+             ) -> tuple[list[SeqChunk], torch.Tensor | None]:
         """Apply a checked plan and compute it: the same call on every TP rank.
 
         Frees, new sequences and diffs are applied, KV blocks copied, then the runner
@@ -68,10 +73,15 @@ class StageRank:
         are read from the sampled ids its earlier steps left on the device; with `deferred`,
         the ones missing from `fed` were sampled by a step not resolved yet (see
         `HeldSeqs.apply`).
+        `late`: rank 0 of the first stage of several at TP size 1, whose run-ahead inputs
+        come from the last stage: they are left out of the histories (placeholders, as with
+        `deferred`) and `late` writes them once the step's host work is done, just before
+        its first kernel (`ModelRunner.execute`'s `fill`), so the wait for the last stage's
+        tokens is the only host work between that stage's step and this one on the GPU.
         Returns the step's chunks (batch order) and the runner's output (hidden states
         [T, H], or the last stage's scores), None when the plan computes nothing.
         """
-        step = self.held.apply(plan, fed, deferred)
+        step = self.held.apply(plan, fed, deferred or late is not None)
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
         if not step.chunks:
@@ -82,7 +92,13 @@ class StageRank:
                 gather_device_inputs(inputs, step.ahead, on_device)
         else:
             inputs = self._share_activations(plan.num_tokens, upstream)
-        return step.chunks, self.runner.execute(step.chunks, inputs)
+        fill: InputFill | None = None
+        if late is not None and step.ahead:
+            ahead = step.ahead
+
+            def fill(ids: torch.Tensor) -> None:
+                late(ahead, ids)
+        return step.chunks, self.runner.execute(step.chunks, inputs, fill)
 
     def _share_activations(self, num_tokens: int, upstream: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's `upstream` [T, H] on every rank (no collective at TP size 1)."""

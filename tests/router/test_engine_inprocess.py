@@ -111,6 +111,17 @@ def test_middle_stages_hold_no_tokens(model_dir: Path) -> None:
             first, middle, last = (next(iter(h.values())) for h in held)
             assert first.token_ids and last.token_ids
             assert middle.token_ids == []
+            # The first stage writes its run-ahead inputs late (after laying the step out):
+            # its history holds the last stage's tokens, a prefix of the last stage's, but
+            # for a placeholder at the end while a step waits for its token.
+            for _ in range(20):
+                await stream.__anext__()
+            first_ids, last_ids = list(first.token_ids)[:-1], list(last.token_ids)
+            assert len(first_ids) > first.prompt_len + 10
+            assert first_ids == last_ids[:len(first_ids)]
+            seq_id = next(iter(held[0]))
+            assert first_ids[first.prompt_len:] == [
+                seq_id + i for i in range(len(first_ids) - first.prompt_len)]
             await stream.aclose()
 
     asyncio.run(run())

@@ -13,7 +13,7 @@ import torch
 from foundation.sampling_params import SamplingParams
 from stage_worker.config import StageConfig
 from stage_worker.leader import StageLeader
-from stage_worker.model_runner import ModelRunner
+from stage_worker.model_runner import InputFill, ModelRunner
 from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan
 from stage_worker.step_input import SeqChunk
 
@@ -35,8 +35,9 @@ def record_outputs(runner: ModelRunner) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     execute = runner.execute
 
-    def recording(chunks: Sequence[SeqChunk], inputs: torch.Tensor) -> torch.Tensor:
-        out = execute(chunks, inputs)
+    def recording(chunks: Sequence[SeqChunk], inputs: torch.Tensor,
+                  fill: InputFill | None = None) -> torch.Tensor:
+        out = execute(chunks, inputs, fill)
         seen.append(out.detach().clone())
         return out
 

@@ -37,9 +37,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _scheduler(num_stages: int, depth: int) -> Scheduler:
+def _scheduler(micro_batches: int, depth: int) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
-                             max_inflight_steps=num_stages, run_ahead=True,
+                             max_inflight_steps=micro_batches, run_ahead=True,
                              run_ahead_depth=depth)
     # 8 blocks of 8 for 5 sequences of 5 to 21 + 10 tokens: some get preempted.
     scheduler = Scheduler(config, KVCacheConfig(num_blocks=8, block_size=BLOCK,
@@ -101,10 +101,15 @@ async def _replay(pipeline: Pipeline, plans: list[StepPlan]) -> dict[int, StepOu
     return {o.step_id: o for o in got}
 
 
-@pytest.mark.parametrize(("num_stages", "depth"), [(1, 2), (2, 2), (3, 2), (1, 4), (2, 4)])
+# (stages, depth, micro-batches): fewer micro-batches than stages is how stages that share
+# a GPU run, each step planned on the one just before it.
+@pytest.mark.parametrize(("num_stages", "depth", "micro"),
+                         [(1, 2, 1), (2, 2, 2), (3, 2, 3), (1, 4, 1), (2, 4, 2), (2, 4, 1),
+                          (3, 2, 1)])
 def test_run_ahead_gives_the_tokens_of_the_same_plans_written_out(checkpoint: Path,
                                                                   num_stages: int,
-                                                                  depth: int) -> None:
+                                                                  depth: int,
+                                                                  micro: int) -> None:
     configs = stage_configs(checkpoint, num_stages, block_size=BLOCK, num_blocks=32,
                             max_num_batched_tokens=64, max_num_seqs=4, step_timeout_s=20.0)
 
@@ -119,7 +124,7 @@ def test_run_ahead_gives_the_tokens_of_the_same_plans_written_out(checkpoint: Pa
         pipeline.on_failure = failures.append
         try:
             await pipeline.start(10)
-            plans, results, most = await _drive(pipeline, _scheduler(num_stages, depth))
+            plans, results, most = await _drive(pipeline, _scheduler(micro, depth))
             overlapped.append(leader.steps_overlapped)
             await pipeline.start(10)  # a new epoch and Run: the stages start empty
             replayed = await _replay(pipeline, [_written_out(p, results) for p in plans])
@@ -134,7 +139,7 @@ def test_run_ahead_gives_the_tokens_of_the_same_plans_written_out(checkpoint: Pa
     ahead = [s for p in plans for s in p.cached_seqs if s.input_from_step is not None]
     assert len(ahead) >= 10  # run-ahead was exercised, and so was preemption:
     if depth > 2:  # more steps outstanding than one planned on another allows
-        assert most_outstanding > 2 * num_stages
+        assert most_outstanding > 2 * micro
     assert any(p.preempted_seq_ids for p in plans)
     if num_stages == 1:  # steps queued behind a pending one, run-ahead inputs read on device
         assert overlapped[0] > 0
