@@ -37,7 +37,7 @@ FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "prese
 @pytest.fixture(scope="module")
 def stub() -> Iterator[inference_pb2_grpc.InferenceServiceStub]:
     with Mesh("--model", str(default_model_dir()), "--stages", "2", "--model-impl", "null",
-              "--num-blocks", "256", "--max-model-len", "512") as mesh:
+              "--num-blocks", "256", "--max-model-len", "128") as mesh:
         yield mesh.stub()
 
 
