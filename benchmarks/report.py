@@ -65,15 +65,12 @@ def stage_figures(address: str) -> list[dict[str, float]]:
 def hop_transports(address: str) -> list[str]:
     """The data-plane transport of each hop of the mesh at `address`, as its router reports
     it (GetModelInfo): what a figure was measured over, not what was asked for."""
-    return list(_model_info(address).hop_transports)
+    return list(model_info(address).hop_transports)
 
 
-def micro_batches(address: str) -> int:
-    """The micro-batches the router at `address` keeps in flight (GetModelInfo)."""
-    return int(_model_info(address).micro_batches)
-
-
-def _model_info(address: str) -> Any:
+def model_info(address: str) -> Any:
+    """The router's GetModelInfo answer (the mesh a figure was measured on: its hops'
+    transports, its micro-batches in flight)."""
     import asyncio
 
     from router.client import RouterClient

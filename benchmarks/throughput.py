@@ -22,8 +22,7 @@ from typing import Any
 from benchmarks.otlp_sink import OtlpSink
 from benchmarks.report import (
     git_revision,
-    hop_transports,
-    micro_batches,
+    model_info,
     print_table,
     process_cpu,
     stage_figures,
@@ -170,8 +169,9 @@ def _measure(args: argparse.Namespace, stages: int, traced: bool, metrics: bool,
             flags += ["--otlp-traces-endpoint", sink.endpoint]
         with Mesh(*flags, timeout=900) as mesh:
             before = process_cpu(mesh.proc.proc.pid)
-            row = {"hop_transports": hop_transports(mesh.address),
-                   "micro_batches": micro_batches(mesh.address),
+            info = model_info(mesh.address)
+            row = {"hop_transports": list(info.hop_transports),
+                   "micro_batches": info.micro_batches,
                    **run(mesh.address, prompts, args.output_len, args.clients)}
             after = process_cpu(mesh.proc.proc.pid)
             # CPU seconds of each part of the mesh over the run (its warm-up requests too)

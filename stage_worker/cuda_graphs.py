@@ -31,6 +31,7 @@ from kernels.rotary import rope_cos_sin
 from stage_worker.block_tables import BlockTables
 from stage_worker.forward_context import ForwardContext
 from stage_worker.host_transfer import upload
+from stage_worker.model_runner import InputFill
 from stage_worker.models.llama import LlamaStageModel
 from stage_worker.step_input import SeqChunk
 
@@ -129,7 +130,7 @@ class DecodeGraphs:
         return len(chunks) <= self.buckets[-1] and all(c.num_new == 1 for c in chunks)
 
     def run(self, chunks: Sequence[SeqChunk], inputs: torch.Tensor,
-            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            fill: InputFill | None = None) -> torch.Tensor:
         """Replay for `chunks` (see `covers`); returns hidden states [n, H] (a view of the
         graph's output, valid until the next replay). `inputs` [n] or [n, H] on the device;
         `fill`, if given, writes late inputs into the graph's input rows [n] just before the

@@ -24,7 +24,7 @@ them when step k resolves, before step k+1 samples (penalties and seeded draws s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +39,7 @@ from stage_worker.dataplane.compression import (
     decompress,
 )
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
-from stage_worker.host_transfer import host_tensor, upload
+from stage_worker.host_transfer import host_tensor
 from stage_worker.links import (
     DataPlaneAddress,
     DataPlaneLinks,
@@ -249,20 +249,16 @@ class StageLeader:
             deliver(self._resolve(pending))
 
     def _late_inputs(self, step_id: int) -> LateInputs:
-        """`feeds_late`: writes step `step_id`'s run-ahead inputs once their tokens came on
-        the feedback link (FeedbackMissingError when they do not, as `_run_ahead_inputs`),
-        and puts them in the held histories."""
-        def fill(ahead: Sequence[tuple[int, int, int]], ids: torch.Tensor) -> None:
+        """`feeds_late`: step `step_id`'s run-ahead tokens, waited for on the feedback link
+        (FeedbackMissingError when they do not come, as `_run_ahead_inputs`); the wait is
+        the step's, not its work."""
+        def take(wants: list[tuple[int, int]]) -> dict[int, int]:
             waiting = time.perf_counter()
-            fed = self.feedback.take(step_id, [(seq_id, k) for _, seq_id, k in ahead],
-                                     self.step_timeout_s)
-            self._late_wait += time.perf_counter() - waiting
-            rows = [row for row, _, _ in ahead]
-            packed = upload(host_tensor(rows + [fed[seq_id] for _, seq_id, _ in ahead]),
-                            ids.device)
-            ids.index_copy_(0, packed[:len(rows)], packed[len(rows):])
-            self.rank.held.fill_inputs(fed)
-        return fill
+            try:
+                return self.feedback.take(step_id, wants, self.step_timeout_s)
+            finally:
+                self._late_wait += time.perf_counter() - waiting
+        return take
 
     def _run_ahead_inputs(self, plan: StagePlan, unresolved: int | None = None
                           ) -> dict[int, int]:

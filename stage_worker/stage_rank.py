@@ -22,9 +22,9 @@ from stage_worker.plan_check import StepLimits, check_plan
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample, score_prompts
 
-# Writes a step's run-ahead inputs late (see `StageRank.step`): called with the step's
-# (row, seq_id, step) of every run-ahead input and its token ids [T] on the device.
-LateInputs = Callable[[Sequence[tuple[int, int, int]], torch.Tensor], None]
+# A step's run-ahead tokens, taken late (see `StageRank.step`): called with the
+# (seq_id, sampled at step) of every run-ahead input, returns seq_id -> token.
+LateInputs = Callable[[list[tuple[int, int]]], Mapping[int, int]]
 
 
 class StageRank:
@@ -75,8 +75,9 @@ class StageRank:
         `HeldSeqs.apply`).
         `late`: rank 0 of the first stage of several at TP size 1, whose run-ahead inputs
         come from the last stage: they are left out of the histories (placeholders, as with
-        `deferred`) and `late` writes them once the step's host work is done, just before
-        its first kernel (`ModelRunner.execute`'s `fill`), so the wait for the last stage's
+        `deferred`) and asked of `late` once the step's host work is done, then written
+        into the step's token ids and the histories just before its first kernel
+        (`ModelRunner.execute`'s `fill`), so the wait for the last stage's
         tokens is the only host work between that stage's step and this one on the GPU.
         Returns the step's chunks (batch order) and the runner's output (hidden states
         [T, H], or the last stage's scores), None when the plan computes nothing.
@@ -97,7 +98,12 @@ class StageRank:
             ahead = step.ahead
 
             def fill(ids: torch.Tensor) -> None:
-                late(ahead, ids)
+                fed = late([(seq_id, k) for _, seq_id, k in ahead])
+                rows = [row for row, _, _ in ahead]
+                packed = upload(host_tensor(rows + [fed[seq_id] for _, seq_id, _ in ahead]),
+                                ids.device)
+                ids.index_copy_(0, packed[:len(rows)], packed[len(rows):])
+                self.held.fill_inputs(fed)
         return step.chunks, self.runner.execute(step.chunks, inputs, fill)
 
     def _share_activations(self, num_tokens: int, upstream: torch.Tensor | None) -> torch.Tensor:
