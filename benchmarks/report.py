@@ -62,15 +62,10 @@ def stage_figures(address: str) -> list[dict[str, float]]:
     return asyncio.run(ask())
 
 
-def hop_transports(address: str) -> list[str]:
-    """The data-plane transport of each hop of the mesh at `address`, as its router reports
-    it (GetModelInfo): what a figure was measured over, not what was asked for."""
-    return list(model_info(address).hop_transports)
-
-
 def model_info(address: str) -> Any:
-    """The router's GetModelInfo answer (the mesh a figure was measured on: its hops'
-    transports, its micro-batches in flight)."""
+    """The router's GetModelInfo answer: the mesh a figure was measured on, as its router
+    reports it (each hop's data-plane transport, the micro-batches in flight), not what was
+    asked for."""
     import asyncio
 
     from router.client import RouterClient
