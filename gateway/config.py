@@ -57,6 +57,8 @@ class GatewayConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.router_connections < 1:
             raise ValueError(f"router_connections must be >= 1, got {self.router_connections}")
         if any(not k or k != k.strip() for k in self.api_keys):

@@ -124,6 +124,8 @@ class RouterConfig:
             raise ValueError(f"engine_core must be 'process' or 'task', got {self.engine_core!r}")
         if self.api_processes < 1:
             raise ValueError(f"api_processes must be >= 1, got {self.api_processes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.trace_step_interval < 0:
             raise ValueError(f"trace_step_interval must be >= 0, got {self.trace_step_interval}")
         if self.run_ahead_depth < 2:

@@ -49,6 +49,17 @@ def layer_split(text: str) -> tuple[int, ...]:
             f"layers must be comma-separated counts, got {text!r}") from None
 
 
+def seconds(text: str) -> float:
+    """A duration flag: a number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def at_least_one(text: str) -> int:
     try:
         value = int(text)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagemesh.cli_credentials import add_api_key_args, add_client_tls_args, api_keys, client_tls_of
-from stagemesh.cli_flags import SubParsers, add_tracing_arg, at_least_one, env
+from stagemesh.cli_flags import SubParsers, add_tracing_arg, at_least_one, env, seconds
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -41,6 +41,9 @@ def add_gateway(commands: SubParsers) -> None:
                         "(default: the model store's copy of the served model)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="deadline in seconds for each router call (beyond: 504)")
+    p.add_argument("--drain-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long open responses may take to finish "
+                        "(default: %(default)s)")
     add_tracing_arg(p, "the gateway's spans")
     p.add_argument("--router-connections", type=at_least_one, default=1, metavar="N",
                    help="TCP connections to the router, each request on the one with the "
@@ -63,6 +66,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
             max_body_bytes=args.max_body_bytes, served_model_name=args.served_model_name,
             tokenizer_dir=args.tokenizer, request_timeout_s=args.request_timeout,
             router_connections=args.router_connections,
+            drain_timeout_s=args.drain_timeout,
             otlp_traces_endpoint=args.otlp_traces_endpoint)
     except (OSError, ValueError) as e:
         raise SystemExit(f"stagemesh gateway: {e}") from None

@@ -34,6 +34,7 @@ from stagemesh.cli_flags import (
     at_least_one,
     env,
     layer_split,
+    seconds,
 )
 from stagemesh.cli_stage import add_stage
 
@@ -65,6 +66,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-budget", type=float, default=300.0)
     p.add_argument("--recovery-budget", type=float, default=60.0)
     p.add_argument("--step-timeout", type=float, default=30.0)
+    p.add_argument("--drain-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may take to finish before "
+                        "they are cut with UNAVAILABLE (new ones are refused at once); keep "
+                        "the pod's terminationGracePeriodSeconds above it. `stagemesh serve` "
+                        "gives the gateway's open responses the same time "
+                        "(default: %(default)s)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed update (1 = every token)")
     p.add_argument("--no-run-ahead", action="store_true",
@@ -159,7 +166,8 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         max_queued_tokens=args.max_queued_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         startup_budget_s=args.startup_budget, recovery_budget_s=args.recovery_budget,
-        step_timeout_s=args.step_timeout, stream_interval=max(1, args.stream_interval),
+        step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
+        stream_interval=max(1, args.stream_interval),
         engine_core=args.engine_core, run_ahead=not args.no_run_ahead,
         run_ahead_depth=args.run_ahead_depth, micro_batches=args.micro_batches,
         trace_step_interval=args.trace_step_interval,

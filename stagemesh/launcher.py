@@ -227,6 +227,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
               "--startup-budget", str(args.startup_budget),
               "--recovery-budget", str(args.recovery_budget),
               "--step-timeout", str(args.step_timeout),
+              "--drain-timeout", str(args.drain_timeout),
               "--stream-interval", str(args.stream_interval),
               "--engine-core", args.engine_core,
               "--run-ahead-depth", str(args.run_ahead_depth),
@@ -260,6 +261,7 @@ def build_children(args: argparse.Namespace, workdir: Path,
         gateway = [*py, "gateway", "--router", f"{args.host}:{args.port}", "--host", args.host,
                    "--port", str(args.gateway_port), "--ready-file", str(workdir / "gateway"),
                    "--tokenizer", model, "--router-connections", str(args.api_processes),
+                   "--drain-timeout", str(args.drain_timeout),
                    *traces]
         gateway_env = {**key_env, "STAGEMESH_ROUTER_API_KEY": keys[0]} if keys else {}
         children.append(Child("gateway", gateway, workdir / "gateway", restart=True,
@@ -281,7 +283,11 @@ def _wait_ready(children: list[Child], deadline: float) -> None:
         time.sleep(0.1)
 
 
-def _stop(children: list[Child], timeout_s: float = 40.0) -> None:
+# What a router needs beyond its drain timeout to stop its fronts, core and stages' links.
+STOP_MARGIN_S = 10.0
+
+
+def _stop(children: list[Child], timeout_s: float) -> None:
     """Router first (it drains), then the rest; kill whatever outlives the timeout."""
     for group in ([c for c in children if c.role == "router"],
                   [c for c in children if c.role != "router"]):
@@ -317,9 +323,9 @@ def launch(args: argparse.Namespace, api_keys: frozenset[str] = frozenset()) -> 
             _supervise(children, stop)
         except RuntimeError as e:
             print(f"stagemesh serve: {e}", file=sys.stderr)
-            _stop(children)
+            _stop(children, args.drain_timeout + STOP_MARGIN_S)
             return 1
-        _stop(children)
+        _stop(children, args.drain_timeout + STOP_MARGIN_S)
     print("stagemesh serve: stopped", file=sys.stderr)
     return 0
 
