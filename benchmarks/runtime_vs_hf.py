@@ -207,11 +207,16 @@ def main() -> None:
     ap.add_argument("--prefill", default="8x512,1x4096",
                     help="with --ours-only: prefill steps to time, SEQSxTOKENS,... "
                          "(reported against the matmul rate, linear layers' FLOPs)")
+    ap.add_argument("--blas", default="default", choices=("default", "cublas", "cublaslt"),
+                    help="torch's BLAS backend for the cuBLAS matmuls (before the graphs are "
+                         "captured)")
     args = ap.parse_args()
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     batches = [int(b) for b in args.batches.split(",")]
     config = {"shape": args.shape, "dtype": "bfloat16", "stages": 1, "tp": 1,
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-              "context": args.ctx,
+              "context": args.ctx, "blas": args.blas,
               "kernels": ("Triton paged attention, CUDA graphs for decode; torch reference "
                           "for the rest" if PLATFORM.use_triton else
                           "torch reference (no Triton, no CUDA graphs)"),

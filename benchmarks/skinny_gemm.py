@@ -82,7 +82,10 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]) ->
         row["cublaslt_ms"] = graph_ms(over_all(lambda w: F.linear(x, w)), copies)
     finally:
         torch.backends.cuda.preferred_blas_library(saved)
-    row["default_ms"] = graph_ms(over_all(lambda w: skinny_linear_triton(x, w)), copies)
+    try:
+        row["default_ms"] = graph_ms(over_all(lambda w: skinny_linear_triton(x, w)), copies)
+    except OutOfResources:  # the default launch's tiles do not fit at this many rows
+        row["default_ms"] = float("nan")
     row["default"] = vars(skinny_launch(out_f, in_f, fp8=False))
     ref_err = (F.linear(x, weights[0]).float() - want).abs().max().item()
     row["grid"] = grid = []
@@ -101,8 +104,11 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]) ->
     if name == "gate_up_proj":  # the SiLU-and-mul: its own kernel, or in the epilogue
         row["cublas_silu_ms"] = graph_ms(over_all(lambda w: silu_and_mul(F.linear(x, w))),
                                          copies)
-        row["fused_silu_ms"] = graph_ms(
-            over_all(lambda w: skinny_linear_triton(x, w, silu=True)), copies)
+        try:
+            row["fused_silu_ms"] = graph_ms(
+                over_all(lambda w: skinny_linear_triton(x, w, silu=True)), copies)
+        except OutOfResources:
+            row["fused_silu_ms"] = float("nan")
         fused = []
         for launch in GRID:
             if launch.split_k > 2:
