@@ -12,11 +12,15 @@ where the step streams the weights) through a weight of at most `DENSE_STREAMING
 inputs runs the weight-streaming kernel
 (`kernels.skinny_linear_triton`) on dense 16-bit weights, with the SiLU-and-mul in its
 epilogue for the merged projection (one kernel and one [M, 2N] round trip fewer); larger
-steps run cuBLAS (F.linear) and the SiLU-and-mul kernel. The fp8 weights' paths are
+steps run F.linear and the SiLU-and-mul kernel, through cuBLASLt up to `LT_ROWS` rows
+(decode batches of 17-128) and torch's default cuBLAS above. The fp8 weights' paths are
 `kernels.fp8_linear`'s.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,29 @@ from kernels.platform import PLATFORM
 # and behind cuBLAS on down_proj, K = 14,336; docs/BENCHMARKS.md).
 DENSE_STREAMING_ROWS = 16
 DENSE_STREAMING_MAX_K = 8192
+
+# Up to this many rows (and above DENSE_STREAMING_ROWS) a 16-bit matmul on CUDA runs
+# cuBLASLt's kernels rather than cuBLAS's (`benchmarks.skinny_gemm` on the H200 at 64 rows:
+# down_proj 32.3 against 35.8 µs, gate_up 61.7 against 64.2, the others the same; at 256
+# rows cuBLAS was ahead; docs/BENCHMARKS.md).
+LT_ROWS = 128
+
+
+@contextlib.contextmanager
+def _cublaslt(x: torch.Tensor) -> Iterator[None]:
+    """torch's BLAS backend is one setting per process: cuBLASLt for the matmuls inside,
+    where x is a CUDA 16-bit activation of DENSE_STREAMING_ROWS < M <= LT_ROWS rows; the
+    previous setting after. Only the stage's step thread runs matmuls."""
+    if not (x.is_cuda and DENSE_STREAMING_ROWS < x.shape[0] <= LT_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        yield
+        return
+    saved = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(saved)
 
 
 def _streams(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> bool:
@@ -55,7 +82,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
         y = skinny_linear_triton(x, w)
         return y if bias is None else y + bias
-    return F.linear(x, w, bias)
+    with _cublaslt(x):
+        return F.linear(x, w, bias)
 
 
 def linear_silu_and_mul(x: torch.Tensor, w: torch.Tensor,

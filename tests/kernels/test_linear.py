@@ -103,3 +103,20 @@ def test_dispatch_replays_in_a_cuda_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, want, strict=True)), m
+
+
+@pytest.mark.gpu
+def test_cublaslt_rows_match_the_oracle_and_leave_the_backend_setting() -> None:
+    """At 17-128 rows `linear` runs cuBLASLt (`kernels.linear.LT_ROWS`), above them cuBLAS:
+    either way within a few ulps of the float64 product, and torch's process-wide BLAS
+    setting is what it was before the call."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16, generator=g) / 128
+    before = torch.backends.cuda.preferred_blas_library()
+    for m in (17, 32, 64, 128, 256):
+        x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16, generator=g)
+        got = linear(x, w)
+        want = _oracle(x, w, None)
+        limit = 2 * 2**-7 * want.abs().max().item()
+        assert (got.double() - want).abs().max().item() <= limit, m
+        assert torch.backends.cuda.preferred_blas_library() == before, m
