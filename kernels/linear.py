@@ -43,15 +43,17 @@ DENSE_STREAMING_MAX_K = 8192
 LT_ROWS = 128
 
 
+def _takes_cublaslt(x: torch.Tensor) -> bool:
+    """Whether a cuBLAS matmul of activation x runs cuBLASLt: CUDA, 16-bit,
+    DENSE_STREAMING_ROWS < M <= LT_ROWS rows."""
+    return (x.is_cuda and DENSE_STREAMING_ROWS < x.shape[0] <= LT_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
 @contextlib.contextmanager
-def _cublaslt(x: torch.Tensor) -> Iterator[None]:
+def _cublaslt() -> Iterator[None]:
     """torch's BLAS backend is one setting per process: cuBLASLt for the matmuls inside,
-    where x is a CUDA 16-bit activation of DENSE_STREAMING_ROWS < M <= LT_ROWS rows; the
-    previous setting after. Only the stage's step thread runs matmuls."""
-    if not (x.is_cuda and DENSE_STREAMING_ROWS < x.shape[0] <= LT_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16)):
-        yield
-        return
+    the previous setting after. Only the stage's step thread runs matmuls."""
     saved = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library("cublaslt")
     try:
@@ -82,8 +84,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
         y = skinny_linear_triton(x, w)
         return y if bias is None else y + bias
-    with _cublaslt(x):
-        return F.linear(x, w, bias)
+    if _takes_cublaslt(x):
+        with _cublaslt():
+            return F.linear(x, w, bias)
+    return F.linear(x, w, bias)
 
 
 def linear_silu_and_mul(x: torch.Tensor, w: torch.Tensor,
