@@ -60,6 +60,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def add_drain_timeout_arg(p: argparse.ArgumentParser, what: str, more: str = "") -> None:
+    """--drain-timeout: on SIGTERM, how long `what` may take to finish (30 s by default);
+    `more` follows in the help."""
+    p.add_argument("--drain-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help=f"on SIGTERM, how long {what} may take to finish{more} "
+                        "(default: %(default)s)")
+
+
 def at_least_one(text: str) -> int:
     try:
         value = int(text)

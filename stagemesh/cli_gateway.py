@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stagemesh.cli_credentials import add_api_key_args, add_client_tls_args, api_keys, client_tls_of
-from stagemesh.cli_flags import SubParsers, add_tracing_arg, at_least_one, env, seconds
+from stagemesh.cli_flags import (
+    SubParsers,
+    add_drain_timeout_arg,
+    add_tracing_arg,
+    at_least_one,
+    env,
+)
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
@@ -41,9 +47,7 @@ def add_gateway(commands: SubParsers) -> None:
                         "(default: the model store's copy of the served model)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="deadline in seconds for each router call (beyond: 504)")
-    p.add_argument("--drain-timeout", type=seconds, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long open responses may take to finish "
-                        "(default: %(default)s)")
+    add_drain_timeout_arg(p, "open responses")
     add_tracing_arg(p, "the gateway's spans")
     p.add_argument("--router-connections", type=at_least_one, default=1, metavar="N",
                    help="TCP connections to the router, each request on the one with the "

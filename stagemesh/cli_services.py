@@ -25,6 +25,7 @@ from stagemesh.cli_credentials import (
 from stagemesh.cli_flags import (
     SubParsers,
     add_compression_arg,
+    add_drain_timeout_arg,
     add_kv_cache_dtype_arg,
     add_metrics_port_arg,
     add_model_args,
@@ -34,7 +35,6 @@ from stagemesh.cli_flags import (
     at_least_one,
     env,
     layer_split,
-    seconds,
 )
 from stagemesh.cli_stage import add_stage
 
@@ -66,12 +66,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-budget", type=float, default=300.0)
     p.add_argument("--recovery-budget", type=float, default=60.0)
     p.add_argument("--step-timeout", type=float, default=30.0)
-    p.add_argument("--drain-timeout", type=seconds, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long requests in flight may take to finish before "
-                        "they are cut with UNAVAILABLE (new ones are refused at once); keep "
-                        "the pod's terminationGracePeriodSeconds above it. `stagemesh serve` "
-                        "gives the gateway's open responses the same time "
-                        "(default: %(default)s)")
+    add_drain_timeout_arg(p, "requests in flight",
+                          "; new ones are refused at once and those still running then end "
+                          "with UNAVAILABLE. Keep the pod's terminationGracePeriodSeconds "
+                          "above it; `stagemesh serve` gives its gateway the same")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed update (1 = every token)")
     p.add_argument("--no-run-ahead", action="store_true",

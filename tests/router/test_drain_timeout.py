@@ -70,8 +70,8 @@ def test_a_request_longer_than_the_drain_timeout_is_cut_and_the_router_exits(
                 assert proc.proc.poll() is None and time.monotonic() < deadline, proc.output
                 await asyncio.sleep(0.1)
             async with RouterClient(f"127.0.0.1:{port}") as client:
-                info_ = await client.model_info()
-                wanted = min(info_.max_tokens_limit, info_.context_length - 8)
+                model = await client.model_info()
+                wanted = min(model.max_tokens_limit, model.context_length - 8)
                 stream = client.generate(prompt="long", max_tokens=wanted, ignore_eos=True)
                 received = len((await stream.__anext__()).token_ids)
                 proc.proc.send_signal(signal.SIGTERM)
