@@ -49,6 +49,7 @@ class FrontProcesses:
         self._on_gone = on_gone
         self._next_id = 1
         self.procs: dict[int, asyncio.subprocess.Process] = {}  # front id -> process
+        self.serving: set[int] = set()  # fronts that said they serve and have not exited
         self._tasks: set[asyncio.Task[None]] = set()
         self._restarts: deque[float] = deque()
         self.restarts = 0
@@ -66,6 +67,7 @@ class FrontProcesses:
             if line != READY_LINE:
                 self.stopping = True  # the router stops: no restarts
                 raise FrontStartError(_start_failure(front_id, line))
+        self.serving.update(front_id for front_id, _ in started)
 
     async def _spawn(self) -> tuple[int, asyncio.subprocess.Process]:
         front_id = self._next_id
@@ -88,6 +90,7 @@ class FrontProcesses:
     async def _await_exit(self, front_id: int, proc: asyncio.subprocess.Process) -> None:
         status = await proc.wait()
         self.procs.pop(front_id, None)
+        self.serving.discard(front_id)
         self._on_gone(front_id)
         if self.stopping:
             return
@@ -112,7 +115,9 @@ class FrontProcesses:
                     new_proc.pid, front_id)
         self._watch(new_id, new_proc)
         line = await _first_line(new_proc)
-        if line != READY_LINE and new_proc.returncode is None:
+        if line == READY_LINE and new_proc.returncode is None:
+            self.serving.add(new_id)
+        elif new_proc.returncode is None:
             log.error("%s", _start_failure(new_id, line))
 
     async def stop(self, timeout_s: float, give_up: Callable[[], bool] = lambda: False

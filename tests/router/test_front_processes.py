@@ -244,6 +244,12 @@ def test_a_killed_front_process_frees_its_sequences_and_is_replaced(
                 await stream.aclose()
             await wait_idle(on0[0], mesh.stage_sequences)
 
+            for _ in range(3000):  # the replacement starts a Python process: up to 60 s
+                if 2 in mesh.app.fronts.serving:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the replacement front 2 did not serve within 60 s")
             (on2,) = await clients_on(mesh, 2, 1)  # the replacement, a new front id
             assert mesh.app.fronts.restarts == 1 and list(mesh.app.fronts.pids()) == [2]
             out = await on2.complete(prompt="after", max_tokens=5, ignore_eos=True)
