@@ -2,7 +2,9 @@
 costs only planning, gRPC plans/results, the data plane ([64, 576] fp32 = 147 KB of
 activations per hop) and streaming tokens to clients. 64 sequences decode; steps/s is read
 from the router's step counter over a window of steady decoding, for 1 and 2 stages in
-the same run.
+the same run. Beside it, each part's CPU per step over the same window (from /proc: the
+router's front 0, its engine core, each stage, and this process as the client), which
+varies far less between runs on a shared machine than steps/s does.
 
     python -m benchmarks.control_plane --stages 1,2 --out benchmarks/results/w6.json
 """
@@ -12,21 +14,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import git_revision, print_table, write_json
+from benchmarks.report import git_revision, print_table, process_cpu, write_json
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
 NUM_BLOCKS, BLOCK_SIZE = 8192, 16
 
 
-async def measure(address: str, seqs: int, window_s: float) -> dict[str, float]:
+async def measure(address: str, seqs: int, window_s: float,
+                  cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
     """Keep `seqs` sequences decoding (each client re-submits when its request ends), then
-    read the router's step counter and the tokens streamed over `window_s`. A request is as
-    long as the KV pool lets every sequence be (no preemption)."""
+    read the router's step counter, the tokens streamed and `cpu()` (CPU seconds by part)
+    over `window_s`. A request is as long as the KV pool lets every sequence be (no
+    preemption)."""
     max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
     async with RouterClient(address) as client:
         tokens = 0
@@ -43,14 +49,19 @@ async def measure(address: str, seqs: int, window_s: float) -> dict[str, float]:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
         s0, t0, k0 = (await client.stats()).steps, time.perf_counter(), tokens
+        c0 = {**cpu(), "client": time.process_time()}
         await asyncio.sleep(window_s)
+        c1 = {**cpu(), "client": time.process_time()}
         s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     steps_s = (s1 - s0) / (t1 - t0)
+    cpu_us = {part: round((c1[part] - c0.get(part, 0.0)) * 1e6 / max(s1 - s0, 1))
+              for part in sorted(c1)}
     return {"steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
-            "tokens_per_s": (k1 - k0) / (t1 - t0)}
+            "tokens_per_s": (k1 - k0) / (t1 - t0), "cpu_us_per_step": sum(cpu_us.values()),
+            "cpu_us_per_step_by_part": cpu_us}
 
 
 def main() -> None:
@@ -78,14 +89,17 @@ def main() -> None:
                   "--max-num-seqs", str(args.seqs), "--num-blocks", str(NUM_BLOCKS),
                   "--stream-interval", str(args.stream_interval),
                   *(["--no-metrics"] if args.no_metrics else [])) as mesh:
-            result = asyncio.run(measure(mesh.address, args.seqs, args.window))
+            cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
+            result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu))
         rows.append({"stages": p, **result})
         print(rows[-1], flush=True)
     base = rows[0]["steps_per_s"]
     for r in rows:
         r["vs_first"] = r["steps_per_s"] / base
     write_json(args.out, config, rows)
-    print_table(rows)
+    print_table([{k: v for k, v in r.items() if k != "cpu_us_per_step_by_part"} for r in rows])
+    for r in rows:
+        print(f"{r['stages']} stage(s), CPU µs per step:", r["cpu_us_per_step_by_part"])
 
 
 if __name__ == "__main__":
