@@ -4,6 +4,12 @@ device, for each transport in one run.
     python -m benchmarks.hop_latency --device cuda --transports tcp,cuda_ipc \
         --out benchmarks/results/hop-latency-DATE.json
 
+Between two GPUs (the peer on `--peer-device`, e.g. cuda:1), ``nccl`` is a transport too
+(NCCL refuses two ranks on one GPU):
+
+    python -m benchmarks.hop_latency --device cuda:0 --peer-device cuda:1 \
+        --transports tcp,cuda_ipc,nccl
+
 A message of activations [rows, hidden] goes from this process to a peer process over the
 transport and straight back over a second link of the same kind (the peer forwards it as
 a stage forwards what it receives: on its device). One hop = half the round trip, from the
@@ -49,6 +55,10 @@ def _slot_bytes(sizes: str) -> int:
 def _listener(kind: str, token: bytes, device: torch.device, slot_bytes: int) -> LinkListener:
     if kind == "tcp":
         return TcpListener(HOST, token=token)
+    if kind == "nccl":
+        from stage_worker.dataplane.nccl_setup import NcclListener
+
+        return NcclListener(HOST, token=token, device=device)
     from stage_worker.dataplane.cuda_ipc_setup import CudaIpcListener
     from stage_worker.dataplane.cuda_ipc_slots import RingConfig
 
@@ -58,6 +68,10 @@ def _listener(kind: str, token: bytes, device: torch.device, slot_bytes: int) ->
 def _connect(kind: str, port: int, token: bytes, device: torch.device) -> Transport:
     if kind == "tcp":
         return TcpTransport.connect(HOST, port, token=token, timeout_s=60)
+    if kind == "nccl":
+        from stage_worker.dataplane import nccl_setup
+
+        return nccl_setup.connect(HOST, port, token=token, timeout_s=60, device=device)
     from stage_worker.dataplane.cuda_ipc_setup import connect
 
     return connect(HOST, port, token=token, timeout_s=60, device=device)
@@ -85,12 +99,14 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(kind: str, device: torch.device, sizes: str, rounds: int,
-            warmup: int) -> list[dict[str, Any]]:
+            warmup: int, peer_device: torch.device | None = None) -> list[dict[str, Any]]:
+    """`kind`'s hops between this process on `device` and a peer process on `peer_device`
+    (default: `device`)."""
     token = new_link_token()
     with _listener(kind, token, device, _slot_bytes(sizes)) as back_listener:
         proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.hop_latency", "--peer", kind,
-             str(back_listener.spec.port), token.hex(), "--device", str(device),
+             str(back_listener.spec.port), token.hex(), "--device", str(peer_device or device),
              "--sizes", sizes],
             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert proc.stdout is not None
@@ -113,7 +129,8 @@ def measure(kind: str, device: torch.device, sizes: str, rounds: int,
         if not torch.equal(got, x):
             raise AssertionError(f"{kind}: the message came back changed")
         hops.sort()
-        rows.append({"transport": kind, "activations": f"[{n_rows}, {hidden}] bf16",
+        rows.append({"transport": kind, "peer": str(peer_device or device),
+                     "activations": f"[{n_rows}, {hidden}] bf16",
                      "kb": round(x.numel() * 2 / 1024, 1),
                      "hop_ms_p50": 1e3 * statistics.median(hops),
                      "hop_ms_p99": 1e3 * hops[int(0.99 * (len(hops) - 1))]})
@@ -130,7 +147,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", nargs=3, metavar=("KIND", "PORT", "TOKEN"), help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--transports", default="tcp,cuda_ipc")
+    ap.add_argument("--peer-device", default=None,
+                    help="the peer process's device (default: --device)")
+    ap.add_argument("--transports", default="tcp,cuda_ipc", help="of tcp, cuda_ipc, nccl")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help="ROWSxHIDDEN,... (bf16)")
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
@@ -142,13 +161,16 @@ def main() -> None:
         kind, port, token = args.peer
         peer(kind, int(port), bytes.fromhex(token), device, _slot_bytes(args.sizes))
         return
+    peer_device = torch.device(args.peer_device) if args.peer_device else device
     config = {"benchmark": "per-hop latency, device to device, half a round trip",
               "host": "two processes, loopback", "device": str(device),
+              "peer_device": str(peer_device),
               "card": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "rounds": args.rounds, "warmup": args.warmup, "revision": git_revision()}
     print(config, flush=True)
     rows = [row for kind in args.transports.split(",")
-            for row in measure(kind, device, args.sizes, args.rounds, args.warmup)]
+            for row in measure(kind, device, args.sizes, args.rounds, args.warmup,
+                               peer_device)]
     write_json(args.out, config, rows)
     print_table(rows)
 
