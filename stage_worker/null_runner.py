@@ -1,7 +1,10 @@
 """A runner that does no model compute: the control plane alone (benchmark W6).
 
 No weights are loaded and no KV pool exists. Activations have the right shape and dtype
-(zeros out of the first stage, passed through by the others), and the last stage "samples"
+(zeros out of the first stage, passed through by the others; the zeros are rows of one
+buffer kept for every step, so a step neither allocates nor fills them: filling a fresh
+[T, H] tensor per step took torch's intra-op threads and, at 128 rows, a third of the
+first stage's CPU), and the last stage "samples"
 token (seq_id + tokens already output) mod vocab_size for every sampling sequence, so a
 client can check which step produced which token (log probability 0.0 where asked).
 """
@@ -30,6 +33,7 @@ class NullRunner(ModelRunner):
     def __init__(self, shape: StageShape, capacity: StageCapacity) -> None:
         self._shape = shape
         self._capacity = capacity
+        self._zeros = torch.zeros(0, shape.hidden_size, dtype=shape.dtype)  # grown on demand
 
     @property
     def shape(self) -> StageShape:
@@ -53,8 +57,16 @@ class NullRunner(ModelRunner):
         if layers.is_last:
             return torch.empty(sum(c.sample + c.prompt_rows for c in chunks), 0)
         if layers.is_first:
-            return torch.zeros(len(inputs), self._shape.hidden_size, dtype=self._shape.dtype)
+            return self._zero_rows(len(inputs))
         return inputs
+
+    def _zero_rows(self, n: int) -> torch.Tensor:
+        """[n, H] zeros: a read-only view of the kept buffer (nothing writes activations a
+        stage sends)."""
+        if len(self._zeros) < n:
+            self._zeros = torch.zeros(max(n, 2 * len(self._zeros)), self._shape.hidden_size,
+                                      dtype=self._shape.dtype)
+        return self._zeros[:n]
 
     def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample:
         vocab = self._shape.vocab_size
