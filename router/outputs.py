@@ -96,16 +96,32 @@ StreamItem = ChoiceDelta | PromptLogprobs | RequestDone | RequestFailed
 
 def coalesce(items: Sequence[StreamItem]) -> list[StreamItem]:
     """Merge consecutive deltas of the same choice (a consumer that fell behind sends one
-    message for several tokens instead of one per token). Order is kept."""
+    message for several tokens instead of one per token). Order is kept.
+
+    A run is a choice's consecutive deltas up to and including one with a finish reason; it
+    becomes its last delta with the run's text, token ids, logprobs and tool calls joined,
+    built once per run (a consumer far behind has hundreds of deltas queued)."""
     out: list[StreamItem] = []
+    run: list[ChoiceDelta] = []
+
+    def close_run() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append(replace(
+                run[-1], text="".join(d.text for d in run),
+                token_ids=tuple(t for d in run for t in d.token_ids),
+                logprobs=tuple(lp for d in run for lp in d.logprobs),
+                tool_calls=tuple(c for d in run for c in d.tool_calls)))
+        run.clear()
+
     for item in items:
-        prev = out[-1] if out else None
-        if isinstance(item, ChoiceDelta) and isinstance(prev, ChoiceDelta) \
-                and prev.index == item.index and prev.finish_reason is None:
-            out[-1] = replace(item, text=prev.text + item.text,
-                              token_ids=prev.token_ids + item.token_ids,
-                              logprobs=prev.logprobs + item.logprobs,
-                              tool_calls=prev.tool_calls + item.tool_calls)
+        if isinstance(item, ChoiceDelta):
+            if run and (run[-1].index != item.index or run[-1].finish_reason is not None):
+                close_run()
+            run.append(item)
         else:
+            close_run()
             out.append(item)
+    close_run()
     return out
