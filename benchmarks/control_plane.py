@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=5.0)
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="router's tokens per streamed update")
+    ap.add_argument("--extra", default="", help="more `stagemesh serve` flags")
     ap.add_argument("--no-metrics", action="store_true",
                     help="serve without the router's and stages' Prometheus endpoints")
     ap.add_argument("--out", type=Path,
@@ -81,14 +82,15 @@ def main() -> None:
     config: dict[str, Any] = {"workload": "W6", "model": f"{args.model} (config only)",
                               "compute": "null model (no model work)", "transport": "tcp",
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
-                              "metrics": not args.no_metrics, "revision": git_revision()}
+                              "metrics": not args.no_metrics, "extra": args.extra,
+                              "revision": git_revision()}
     print(config)
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
         with Mesh("--model", args.model, "--stages", str(p), "--model-impl", "null",
                   "--max-num-seqs", str(args.seqs), "--num-blocks", str(NUM_BLOCKS),
                   "--stream-interval", str(args.stream_interval),
-                  *(["--no-metrics"] if args.no_metrics else [])) as mesh:
+                  *(["--no-metrics"] if args.no_metrics else []), *args.extra.split()) as mesh:
             cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
             result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu))
         rows.append({"stages": p, **result})
