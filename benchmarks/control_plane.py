@@ -16,7 +16,7 @@ import asyncio
 import datetime as dt
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,41 +27,54 @@ from stagemesh.local_mesh import Mesh
 NUM_BLOCKS, BLOCK_SIZE = 8192, 16
 
 
-async def measure(address: str, seqs: int, window_s: float,
-                  cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
-    """Keep `seqs` sequences decoding (each client re-submits when its request ends), then
-    read the router's step counter, the tokens streamed and `cpu()` (CPU seconds by part)
-    over `window_s`. A request is as long as the KV pool lets every sequence be (no
-    preemption)."""
-    max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
+async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window_s: float,
+                        settle_s: float = 0.5,
+                        cpu: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
+    """Keep one sequence decoding per entry of `requests` (`RouterClient.generate` keyword
+    arguments; each is submitted again when it ends). Once all run and `settle_s` more has
+    passed: the router's steps, the tokens streamed and the CPU seconds by part (`cpu()`,
+    plus this process as "client") over `window_s`."""
     async with RouterClient(address) as client:
         tokens = 0
 
-        async def one(i: int) -> None:
+        async def one(request: dict[str, Any]) -> None:
             nonlocal tokens
             while True:
-                async for chunk in client.generate(prompt=f"request {i}", max_tokens=max_tokens,
-                                                   ignore_eos=True, temperature=0.0):
+                async for chunk in client.generate(**request):
                     tokens += len(chunk.token_ids)
 
-        tasks = [asyncio.create_task(one(i)) for i in range(seqs)]
-        while (await client.stats()).num_running < seqs:  # all admitted and decoding
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
-        s0, t0, k0 = (await client.stats()).steps, time.perf_counter(), tokens
-        c0 = {**cpu(), "client": time.process_time()}
-        await asyncio.sleep(window_s)
-        c1 = {**cpu(), "client": time.process_time()}
-        s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    steps_s = (s1 - s0) / (t1 - t0)
-    cpu_us = {part: round((c1[part] - c0.get(part, 0.0)) * 1e6 / max(s1 - s0, 1))
-              for part in sorted(c1)}
+        tasks = [asyncio.create_task(one(r)) for r in requests]
+        try:
+            while (await client.stats()).num_running < len(requests):  # all admitted
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(settle_s)
+            s0, t0, k0 = (await client.stats()).steps, time.perf_counter(), tokens
+            c0 = {**cpu(), "client": time.process_time()}
+            await asyncio.sleep(window_s)
+            c1 = {**cpu(), "client": time.process_time()}
+            s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return {"steps": s1 - s0, "seconds": t1 - t0, "tokens": k1 - k0,
+            "cpu_s": {part: c1[part] - c0.get(part, 0.0) for part in sorted(c1)}}
+
+
+async def measure(address: str, seqs: int, window_s: float,
+                  cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
+    """W6: `seqs` sequences decoding (`steady_decode`); steps/s, tokens streamed per second
+    and each part's CPU per step. A request is as long as the KV pool lets every sequence
+    be (no preemption)."""
+    max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
+    requests = [dict(prompt=f"request {i}", max_tokens=max_tokens, ignore_eos=True,
+                     temperature=0.0) for i in range(seqs)]
+    got = await steady_decode(address, requests, window_s, cpu=cpu)
+    steps_s = got["steps"] / got["seconds"]
+    cpu_us = {part: round(s * 1e6 / max(got["steps"], 1)) for part, s in got["cpu_s"].items()}
     return {"steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
-            "tokens_per_s": (k1 - k0) / (t1 - t0), "cpu_us_per_step": sum(cpu_us.values()),
-            "cpu_us_per_step_by_part": cpu_us}
+            "tokens_per_s": got["tokens"] / got["seconds"],
+            "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us}
 
 
 def main() -> None:

@@ -26,10 +26,10 @@ import argparse
 import asyncio
 import datetime as dt
 import random
-import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.control_plane import steady_decode
 from benchmarks.report import git_revision, print_table, stage_figures, write_json
 from foundation.model_config import ModelConfig
 from foundation.modelstore.store import resolve_model
@@ -61,28 +61,12 @@ async def greedy(address: str, prompts: list[list[int]], max_tokens: int, top: i
 
 async def decode_rate(address: str, batch: int, context: int, vocab: int, window_s: float,
                       max_tokens: int) -> dict[str, float]:
-    """`batch` sequences decoding for `window_s`: the router's steps over it."""
-    prompts = seeded_prompts(batch, context, vocab, seed=1)
-    async with RouterClient(address) as client:
-        async def one(prompt: list[int]) -> None:
-            while True:
-                async for _ in client.generate(token_ids=prompt, max_tokens=max_tokens,
-                                               ignore_eos=True, temperature=0.0, timeout=600):
-                    pass
-
-        tasks = [asyncio.create_task(one(p)) for p in prompts]
-        try:
-            while (await client.stats()).num_running < batch:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)  # past the prefills
-            s0, t0 = (await client.stats()).steps, time.perf_counter()
-            await asyncio.sleep(window_s)
-            s1, t1 = (await client.stats()).steps, time.perf_counter()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    return {"ms_per_step": 1e3 * (t1 - t0) / max(s1 - s0, 1), "steps": s1 - s0}
+    """`batch` sequences of `context` prompt tokens decoding for `window_s`: the router's
+    steps over it."""
+    requests = [dict(token_ids=p, max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                     timeout=600) for p in seeded_prompts(batch, context, vocab, seed=1)]
+    got = await steady_decode(address, requests, window_s, settle_s=1.0)  # past prefills
+    return {"ms_per_step": 1e3 * got["seconds"] / max(got["steps"], 1), "steps": got["steps"]}
 
 
 def compare(base: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any]:
@@ -156,6 +140,7 @@ def main() -> None:
 
         roof = roofline()
         config["card"] = roof
+    weights = weight_bytes(model_dir, cfg.tie_word_embeddings) if roof else 0
     print(config, flush=True)
     prompts = seeded_prompts(args.prompts, args.prompt_len, vocab)
     max_seqs = max([args.prompts, *batches])
@@ -174,8 +159,7 @@ def main() -> None:
                 row[f"b{batch}_ms_per_step"] = rate["ms_per_step"]
                 row[f"b{batch}_stage_step_ms"] = stage_figures(mesh.address)[0]["step_ms"]
                 if roof:
-                    bytes_per_card = (weight_bytes(model_dir, cfg.tie_word_embeddings)
-                                      + batch * kv_bytes(cfg, args.context)) / tp
+                    bytes_per_card = (weights + batch * kv_bytes(cfg, args.context)) / tp
                     row[f"b{batch}_roofline_ms"] = 1e3 * bytes_per_card / (
                         roof["copy_TBps"] * 1e12)
                 print(f"TP {tp}, batch {batch}: {rate}", flush=True)
