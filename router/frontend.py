@@ -303,8 +303,7 @@ class Frontend:
             if choice.holds and (held := choice.take_held()) is not None:
                 state.pending.append(held)
         if state.pending:
-            if self.metrics is not None and (
-                    state.pending_tokens or any(d.token_ids for d in state.pending)):
+            if self.metrics is not None and state.pending_tokens:  # the update has tokens
                 note_update(self.metrics, state)
             state.outbox += coalesce(state.pending) if len(state.pending) > 1 else state.pending
             state.wake.set()

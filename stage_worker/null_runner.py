@@ -1,12 +1,11 @@
 """A runner that does no model compute: the control plane alone (benchmark W6).
 
 No weights are loaded and no KV pool exists. Activations have the right shape and dtype
-(zeros out of the first stage, passed through by the others; the zeros are rows of one
-buffer kept for every step, so a step neither allocates nor fills them: filling a fresh
-[T, H] tensor per step took torch's intra-op threads and, at 128 rows, a third of the
-first stage's CPU), and the last stage "samples"
-token (seq_id + tokens already output) mod vocab_size for every sampling sequence, so a
-client can check which step produced which token (log probability 0.0 where asked).
+(zeros out of the first stage, rows of one kept buffer: a step neither allocates nor
+fills them, which at a hundred rows would run on torch's intra-op threads; passed through
+by the others), and the last stage "samples" token (seq_id + tokens already output) mod
+vocab_size for every sampling sequence, so a client can check which step produced which
+token (log probability 0.0 where asked).
 """
 
 from __future__ import annotations
