@@ -23,6 +23,14 @@ sequence writes m = -inf, l = 0 and weighs nothing in the merge. The count is a 
 argument (not specialised): every count shares one compiled kernel, so no step waits on a
 compile for a batch size it has not seen.
 
+Rope and the KV write folded in (`ROPE_KV`, pure decode steps only): the kernel takes the
+step's q, k and v before rotary embedding; each program rotates its own query rows on load,
+and the one program whose key range holds a sequence's new key (the last) rotates that
+token's k for its KV head and writes k and v to their slot before it reads its keys. It
+does what `kernels.rope_kv` followed by this kernel does, in one launch: 16-bit caches get
+the reference's values bit for bit. Caches in q's dtype only (an fp8 cache keeps the two
+launches).
+
 An fp8 cache (float8_e4m3fn) is passed as its bytes and widened in registers after each
 load (exact): half the bytes of a bf16 cache cross the memory bus. The dots then run in fp16
 (fp32 for fp32 queries), the cheapest widening of e4m3, with q converted once per program.
@@ -40,6 +48,7 @@ import triton.language as tl
 from kernels.attention_metadata import PagedAttentionMetadata
 from kernels.fp8_format import FP8
 from kernels.platform import TRITON_INTERPRETED
+from kernels.rope_kv_triton import _to_cache
 
 
 @dataclass(frozen=True)
@@ -128,6 +137,18 @@ def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_hea
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
+@triton.jit
+def _rope_rows(x, x_partner, cos, sin, upper, DTYPE: tl.constexpr):
+    """x * cos + rotate_half(x) * sin over whole rows [.., D] (`kernels.rope_kv_triton`'s
+    `_rotate`, same roundings): x_partner holds each element's other half (d + D/2 for the
+    first half, d - D/2 for the second), `upper` marks the second half; cos, sin rounded to
+    DTYPE, each product and the sum rounded to DTYPE."""
+    x = x.to(tl.float32)
+    xc = (x * cos).to(DTYPE).to(tl.float32)
+    xs = (x_partner.to(tl.float32) * sin).to(DTYPE).to(tl.float32)
+    return tl.where(upper, xc + xs, xc - xs).to(DTYPE)
+
+
 # Arguments that change from step to step are not specialized (Triton otherwise compiles a
 # variant per value class: == 1, divisible by 16, other): a variant first met while serving
 # stalls every sequence of that step for the compile (about 0.5 s). The block-table width and
@@ -141,15 +162,18 @@ def _paged_attention_kernel(
     qk_scale,
     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_ps, stride_pt, stride_ph, splits,
+    K_NEW, V_NEW, COS, SIN, SLOTS, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ct,
     GROUP: tl.constexpr, KV_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     EVEN_D: tl.constexpr, DYNAMIC: tl.constexpr, MAX_KV_TILES: tl.constexpr, SPLIT: tl.constexpr,
-    FP8_KV: tl.constexpr,
+    FP8_KV: tl.constexpr, ROPE_KV: tl.constexpr,
 ):
     """One (sequence, KV head, query tile, key range) per program, `splits` ranges per tile.
     Not SPLIT (splits == 1): O is the output [T, Hq, D]. SPLIT: O is the fp32 accumulator
     scratch [splits, T, Hq, D] and M_PART / L_PART [splits, T, Hq] take each row's running
-    max and sum (`_merge_splits_kernel`)."""
+    max and sum (`_merge_splits_kernel`). ROPE_KV (every sequence one query row, D a power
+    of two): Q, K_NEW, V_NEW are the step's q, k, v before rope; COS / SIN [T, D] the rope
+    tables of each row's position, SLOTS [T] each row's KV slot (< 0: nothing written)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Last query tiles first: under the causal rule they read the most keys, and starting
@@ -171,6 +195,16 @@ def _paged_attention_kernel(
 
     q_ptr = Q + (q0 + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ROPE_KV:  # one query row per sequence: row q0, the sequence's new token
+        half: tl.constexpr = HEAD_DIM // 2
+        upper = offs_d >= half
+        partner = tl.where(upper, offs_d - half, offs_d + half)
+        rope_dtype = q.dtype
+        cos = tl.load(COS + q0.to(tl.int64) * stride_ct + offs_d).to(rope_dtype).to(tl.float32)
+        sin = tl.load(SIN + q0.to(tl.int64) * stride_ct + offs_d).to(rope_dtype).to(tl.float32)
+        q_partner = tl.load(q_ptr - offs_d[None, :] + partner[None, :], mask=row_ok[:, None],
+                            other=0.0)
+        q = _rope_rows(q, q_partner, cos[None, :], sin[None, :], upper[None, :], rope_dtype)
     if FP8_KV and not IEEE:
         # fp16 dots over the widened e4m3 K/V: q's 16-bit values are exact in fp16 within
         # its range (bf16 has fewer mantissa bits), clamped to it (a query past 65504 would
@@ -197,6 +231,20 @@ def _paged_attention_kernel(
     full_hi = tl.maximum(tl.minimum(tile_hi, (seq_len - n_q + tile * BLOCK_M // GROUP + 1)
                                     // BLOCK_N), tile_lo)
     table = block_tables + seq * stride_bt
+    if ROPE_KV:
+        slot = tl.load(SLOTS + q0).to(tl.int64)
+        # The new key is the sequence's last: the program whose range holds its tile writes
+        # it (one per sequence and KV head), then reads it back with the others below.
+        if ((n_tiles - 1) // per_split == split) & (slot >= 0):
+            k_row = K_NEW + q0.to(tl.int64) * stride_knt + kv_head * stride_knh
+            v_row = V_NEW + q0.to(tl.int64) * stride_vnt + kv_head * stride_vnh
+            k_new = _rope_rows(tl.load(k_row + offs_d), tl.load(k_row + partner), cos, sin,
+                               upper, rope_dtype)
+            at = (slot // KV_BLOCK) * stride_kn + (slot % KV_BLOCK) * stride_kb \
+                + kv_head * stride_kh + offs_d
+            tl.store(K + at, _to_cache(k_new, K.dtype.element_ty, FP8_KV))
+            tl.store(V + at, _to_cache(tl.load(v_row + offs_d), V.dtype.element_ty, FP8_KV))
+        tl.debug_barrier()  # every thread's part of the write before any thread reads keys
     # Compiled: loop over this program's keys only. Triton's interpreter cannot take a loop
     # bound from a computed value, so there the loop runs to the batch's longest sequence and
     # each tile takes the path the compiled loops would give it.
@@ -277,6 +325,41 @@ def kv_splits(programs: int, query_rows: int, block_m: int, sm_count: int) -> in
     return max(1, min(MAX_SPLITS, want))
 
 
+@dataclass(frozen=True)
+class NewKV:
+    """A pure decode step's k and v before rope, with what rotating and writing them needs
+    (`kernels.rope_kv`'s contract): k, v [T, Hkv, D] (rows may be strided, the last
+    dimension contiguous), cos, sin [T, D] fp32, slot_mapping [T] int64."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def rope_kv_decode_attention_triton(
+    q: torch.Tensor,
+    new: NewKV,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """`kernels.rope_kv`'s rope and KV write, then `paged_attention_triton`, for a pure decode
+    step (every sequence one query row) in one launch: q [T, Hq, D] before rope ->
+    attention output [T, Hq, D]; the caches get the rotated k and v. D a power of two."""
+    head_dim = q.shape[2]
+    assert meta.is_pure_decode and head_dim & (head_dim - 1) == 0, "decode, D = 2^n"
+    # On the H200 an fp8 cache written this way differed from rope_kv's kernel for 8 KV
+    # heads of 128 (the cause not found): fp8 caches keep the two launches.
+    assert k_cache.dtype != FP8, "an fp8 cache takes rope_and_write_kv, then attention"
+    assert new.k.stride(2) == 1 and new.v.stride(2) == 1 and new.cos.stride(1) == 1
+    assert new.sin.stride() == new.cos.stride()
+    return paged_attention_triton(q, k_cache, v_cache, meta, scale, splits=splits, new=new)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -285,17 +368,20 @@ def paged_attention_triton(
     scale: float,
     splits: int | None = None,
     launch: LaunchConfig | None = None,
+    new: NewKV | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]; see `kernels.paged_attention` for the contract.
 
     `splits` (key ranges per tile, split KV) is chosen by `kv_splits` from the batch's shape
     and the card's SM count, and `launch` is DECODE_LAUNCH or PREFILL_LAUNCH by the longest
-    query, unless given (tests and `benchmarks.attention_kernel` set them)."""
+    query, unless given (tests and `benchmarks.attention_kernel` set them). `new`: q is
+    before rope and the step's k, v are rotated and written here
+    (`rope_kv_decode_attention_triton`)."""
     num_tokens, num_heads, head_dim = q.shape
     _, kv_block, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dimension must be contiguous"
-    out = torch.empty_like(q)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     fp8_kv = k_cache.dtype == FP8
     if fp8_kv:  # the bits, widened in the kernel (Triton's interpreter has no fp8 arrays)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
@@ -328,12 +414,15 @@ def paged_attention_triton(
         meta.query_start, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0), *part_strides, splits,
+        *((new.k, new.v, new.cos, new.sin, new.slot_mapping, new.k.stride(0), new.k.stride(1),
+           new.v.stride(0), new.v.stride(1), new.cos.stride(0)) if new is not None else
+          (q, q, q, q, q, 0, 0, 0, 0, 0)),
         GROUP=group, KV_BLOCK=kv_block, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, EVEN_D=d_pad == head_dim, DYNAMIC=not TRITON_INTERPRETED,
         # Only the interpreter reads it; compiled, a constant avoids a compile per length.
         MAX_KV_TILES=triton.cdiv(meta.max_seq_len, block_n) if TRITON_INTERPRETED else 0,
-        SPLIT=splits > 1, FP8_KV=fp8_kv, num_warps=launch.num_warps,
+        SPLIT=splits > 1, FP8_KV=fp8_kv, ROPE_KV=new is not None, num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
     if splits > 1:

@@ -13,13 +13,19 @@ Contract (shared by both):
 Returns rotated q [T, Hq, D] (contiguous, q's dtype) and writes rotated k and v into the
 caches. Rounding is HF Llama's: cos/sin cast to q's dtype, x * cos and rotate_half(x) * sin
 each rounded to it, then their sum.
+
+`rope_kv_decode_attention` is this followed by `kernels.paged_attention` for a pure decode
+step (every sequence one query row): on CUDA, with the cache in q's dtype, one Triton
+launch does both (`kernels.paged_attention_triton.rope_kv_decode_attention_triton`),
+elsewhere the two kernels or the two references.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import write_kv_ref
+from kernels.attention_metadata import PagedAttentionMetadata
+from kernels.paged_attention import paged_attention, uses_triton_kernel, write_kv_ref
 from kernels.platform import PLATFORM
 from kernels.rotary import apply_rope_ref
 
@@ -50,3 +56,24 @@ def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_rot = apply_rope_ref(q, cos, sin)
     write_kv_ref(apply_rope_ref(k, cos, sin), v, k_cache, v_cache, slot_mapping)
     return q_rot.contiguous()
+
+
+def rope_kv_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                             meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """`rope_and_write_kv` then `paged_attention` (the contracts above and there) for a pure
+    decode step: q, k, v before rope -> attention output [T, Hq, D]. One Triton launch where
+    `paged_attention` would launch the kernel, the cache is in q's dtype and rope's layout
+    suits it (the head dim a power of two, last dimensions contiguous)."""
+    head_dim = q.shape[2]
+    if (meta.is_pure_decode and k_cache.dtype == q.dtype
+            and uses_triton_kernel(q.device, k_cache.shape[1], head_dim)
+            and head_dim & (head_dim - 1) == 0 and q.stride(2) == 1 and k.stride(2) == 1
+            and v.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()):
+        from kernels.paged_attention_triton import NewKV, rope_kv_decode_attention_triton
+
+        return rope_kv_decode_attention_triton(
+            q, NewKV(k, v, cos, sin, slot_mapping), k_cache, v_cache, meta, scale)
+    q_rot = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    return paged_attention(q_rot, k_cache, v_cache, meta, scale)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from kernels.paged_attention import paged_attention
-from kernels.rope_kv import rope_and_write_kv
+from kernels.rope_kv import rope_and_write_kv, rope_kv_decode_attention
 from stage_worker.forward_context import ForwardContext
 from stage_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from stage_worker.parallel import TPGroup, shard_heads
@@ -29,18 +29,34 @@ class PagedSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 ctx: ForwardContext) -> torch.Tensor:
-        return self.o_proj(self.attend(self.project(x, kv_cache, ctx), kv_cache, ctx))
+        return self.o_proj(self.project_and_attend(x, kv_cache, ctx))
+
+    def project_and_attend(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                           ctx: ForwardContext) -> torch.Tensor:
+        """x [T, H] -> the heads' outputs [T, heads * head_dim], before o_proj: `attend` of
+        `project`. A pure decode step does rope, the K/V write and attention in one launch
+        where the kernel allows it (`kernels.rope_kv.rope_kv_decode_attention`)."""
+        if ctx.attn is None or not ctx.attn.is_pure_decode:
+            return self.attend(self.project(x, kv_cache, ctx), kv_cache, ctx)
+        q, k, v = self._split_heads(self.qkv_proj(x))
+        out = rope_kv_decode_attention(q, k, v, ctx.cos, ctx.sin, kv_cache[0], kv_cache[1],
+                                       ctx.slot_mapping, ctx.attn, self.scale)
+        return out.reshape(x.shape[0], -1)
+
+    def _split_heads(self, qkv: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (heads + 2 kv_heads) * head_dim] -> views q [T, heads, head_dim],
+        k and v [T, kv_heads, head_dim]."""
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        t, d = qkv.shape[0], self.head_dim
+        return (qkv[:, :q_size].view(t, -1, d), qkv[:, q_size:q_size + kv_size].view(t, -1, d),
+                qkv[:, q_size + kv_size:].view(t, -1, d))
 
     def project(self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 ctx: ForwardContext) -> torch.Tensor:
         """x [T, H] -> q [T, heads, head_dim] with rope applied; this step's K/V (roped) are
         written to their slots. Reads only ctx's cos, sin and slot_mapping."""
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        t, d = x.shape[0], self.head_dim
-        q = qkv[:, :q_size].view(t, -1, d)
-        k = qkv[:, q_size:q_size + kv_size].view(t, -1, d)
-        v = qkv[:, q_size + kv_size:].view(t, -1, d)
+        q, k, v = self._split_heads(self.qkv_proj(x))
         k_cache, v_cache = kv_cache
         return rope_and_write_kv(q, k, v, ctx.cos, ctx.sin, k_cache, v_cache, ctx.slot_mapping)
 

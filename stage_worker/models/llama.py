@@ -56,18 +56,22 @@ class LlamaDecoderLayer(nn.Module):
         (one fused add + norm) or by the stage's end. The sums are rounded to the model's
         dtype exactly as `x + residual` rounds them, so the values are those of the layer
         computed as HF writes it. The same as `end(attend(begin(...)))`."""
-        q, residual = self.begin(x, residual, kv_cache, ctx)
-        return self.end(self.self_attn.attend(q, kv_cache, ctx), residual)
+        normed, residual = self._input_norm(x, residual)
+        return self.end(self.self_attn.project_and_attend(normed, kv_cache, ctx), residual)
+
+    def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input norm of x + residual, x + residual); x itself for the first layer."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.add_and_norm(x, residual)
 
     def begin(self, x: torch.Tensor, residual: torch.Tensor | None,
               kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer up to its attention: (q [T, heads, head_dim], the residual stream);
         this step's K/V are written. Reads ctx's cos, sin and slots only."""
-        if residual is None:
-            normed, residual = self.input_layernorm(x), x
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        normed, residual = self._input_norm(x, residual)
         return self.self_attn.project(normed, kv_cache, ctx), residual
 
     def end(self, attn: torch.Tensor, residual: torch.Tensor

@@ -38,6 +38,9 @@ class Case:
     meta: PagedAttentionMetadata
     scale: float
     want: torch.Tensor  # [T, Hq, D] float64, on the CPU
+    cos: torch.Tensor  # [T, D] fp32: each row's rope table (the step's ForwardContext)
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64: each row's KV slot
 
 
 def mixed_case(seed: int, hq: int, hkv: int, dim: int, block: int, num_blocks: int,
@@ -78,4 +81,5 @@ def mixed_case(seed: int, hq: int, hkv: int, dim: int, block: int, num_blocks: i
     scale = dim**-0.5
     want = torch.cat([dense_reference(q, k, v, q.shape[0], scale)
                       for q, k, v in zip(q_parts, full_k, full_v, strict=True)])
-    return Case(torch.cat(q_parts).to(device), k_cache, v_cache, ctx.attn, scale, want)
+    return Case(torch.cat(q_parts).to(device), k_cache, v_cache, ctx.attn, scale, want,
+                ctx.cos, ctx.sin, ctx.slot_mapping)
