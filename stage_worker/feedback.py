@@ -56,7 +56,9 @@ class StepTokens:
     seq_ids: tuple[int, ...]
     token_ids: tuple[int, ...] | None
     device_ids: torch.Tensor | None = None
-    rows: dict[int, int] = field(init=False, repr=False, compare=False)
+    rows: dict[int, int] = field(init=False, repr=False, compare=False)  # seq_id -> row
+    # seq_id -> its token; None while the tokens are only on the device.
+    by_seq: dict[int, int] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.token_ids is None:
@@ -66,7 +68,10 @@ class StepTokens:
         elif len(self.seq_ids) != len(self.token_ids):
             raise ValueError(f"step {self.step_id}: {len(self.seq_ids)} sequences, "
                              f"{len(self.token_ids)} tokens")
-        object.__setattr__(self, "rows", {s: i for i, s in enumerate(self.seq_ids)})
+        seq_ids = self.seq_ids  # the lengths agree (checked above)
+        object.__setattr__(self, "rows", dict(zip(seq_ids, range(len(seq_ids)), strict=True)))
+        object.__setattr__(self, "by_seq", None if self.token_ids is None
+                           else dict(zip(seq_ids, self.token_ids, strict=True)))
 
     @classmethod
     def from_message(cls, step_id: int, tensors: list[torch.Tensor]) -> StepTokens:
@@ -128,15 +133,19 @@ class FeedbackStore:
         """
         deadline = time.monotonic() + timeout_s
         fed: dict[int, int] = {}
+        taken_from = -1  # the step looked up last (most wants share one), and its tokens
+        sampled: dict[int, int] | None = None
         with self._cond:
             for seq_id, k in wants:
-                tokens = self._wait(step_id, k, deadline, timeout_s)
-                row = tokens.rows.get(seq_id)
-                if row is None or tokens.token_ids is None:
+                if k != taken_from:
+                    sampled = self._wait(step_id, k, deadline, timeout_s).by_seq
+                    taken_from = k
+                token = None if sampled is None else sampled.get(seq_id)
+                if token is None:
                     raise FeedbackMissingError(
                         f"step {step_id}: sequence {seq_id} takes its input from step {k}, "
                         f"which sampled no token for it")
-                fed[seq_id] = tokens.token_ids[row]
+                fed[seq_id] = token
         return fed
 
     def _wait(self, step_id: int, k: int, deadline: float, timeout_s: float) -> StepTokens:

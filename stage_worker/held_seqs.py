@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foundation.sampling_params import SamplingParams
-from stage_worker.plan import StagePlan
+from stage_worker.plan import StageCachedSeq, StagePlan
 from stage_worker.step_input import SeqChunk
 
+_new_tuple = tuple.__new__  # a SeqChunk from a tuple, without the NamedTuple's Python __new__
 
-@dataclass
+
+@dataclass(slots=True)
 class HeldSeq:
     """One sequence's state on this stage (not the router's sequence: only what a stage
     needs to compute and sample its next steps)."""
@@ -48,21 +50,24 @@ class StepInputs:
     """What a plan asks of this stage, in batch order.
 
     chunks: every sequence's share of the step.
-    input_ids: where tokens are kept, the step's input token ids [T] (the first stage's
-        inputs; ignored elsewhere).
-    ahead: (row in input_ids, seq_id, step) of every run-ahead input: the token that step
-        sampled for the sequence.
+    input_ids: where inputs are built (`HeldSeqs.builds_inputs`), the step's input token
+        ids [T]; empty elsewhere.
+    ahead: where inputs are built, (row in input_ids, seq_id, step) of every run-ahead
+        input: the token that step sampled for the sequence; empty elsewhere.
     """
 
     chunks: list[SeqChunk]
     input_ids: list[int]
     ahead: list[tuple[int, int, int]]
 
-    def add(self, state: HeldSeq, num_computed: int, num_new: int, sample: bool) -> None:
-        """Append `state`'s chunk of [num_computed, num_computed + num_new) and its inputs."""
+    def add(self, state: HeldSeq, num_computed: int, num_new: int, sample: bool,
+            with_inputs: bool) -> None:
+        """Append `state`'s chunk of [num_computed, num_computed + num_new) and, with
+        `with_inputs`, its inputs."""
         self.chunks.append(SeqChunk(state.seq_id, num_computed, num_new, state.block_table,
                                     sample, _prompt_rows(state, num_computed, num_new)))
-        self.input_ids += state.token_ids[num_computed:num_computed + num_new]
+        if with_inputs:
+            self.input_ids += state.token_ids[num_computed:num_computed + num_new]
 
 
 class HeldSeqs:
@@ -70,11 +75,14 @@ class HeldSeqs:
 
     Mutates its table of sequences; `block_refs` counts each block's users so KV usage is
     known in O(1). `keep_tokens` False (a middle stage) stores no token ids whatever the
-    plan carries.
+    plan carries. `builds_inputs` (default: `keep_tokens`; never without it): `apply` lays
+    out the step's input token ids and run-ahead rows (the first stage reads them; the last
+    keeps tokens for sampling only).
     """
 
-    def __init__(self, keep_tokens: bool = True) -> None:
+    def __init__(self, keep_tokens: bool = True, builds_inputs: bool | None = None) -> None:
         self.keep_tokens = keep_tokens
+        self.builds_inputs = keep_tokens and (builds_inputs is None or builds_inputs)
         self.seqs: dict[int, HeldSeq] = {}
         self.block_refs: Counter[int] = Counter()
         # seq_id -> index in its token_ids of a run-ahead input applied before the step that
@@ -110,31 +118,46 @@ class HeldSeqs:
                 state.score_prompt_below = new.prompt_len - 1
             self.seqs[new.seq_id] = state
             self.block_refs.update(new.block_ids)
-            inputs.add(state, new.num_computed, new.num_new, new.sample)
-        seqs, chunks, input_ids = self.seqs, inputs.chunks, inputs.input_ids
-        for cached in plan.cached_seqs:  # the hot loop: every running sequence, every step
-            state = seqs[cached.seq_id]
-            if cached.new_block_ids:
-                state.block_table += cached.new_block_ids
-                self.block_refs.update(cached.new_block_ids)
-            start, num_new = cached.num_computed, cached.num_new
-            if keep and cached.input_from_step is not None:
-                inputs.ahead.append((len(input_ids), cached.seq_id, cached.input_from_step))
-                token = None if fed is None else fed.get(cached.seq_id)
-                if token is None:
-                    assert deferred, "a run-ahead input needs its token"
-                    self._unfilled[cached.seq_id] = len(state.token_ids)
-                    token = 0
-                state.token_ids.append(token)
-            elif keep and cached.append_token_ids:
-                state.token_ids += cached.append_token_ids
-            chunks.append(SeqChunk(cached.seq_id, start, num_new, state.block_table,
-                                   cached.sample,
-                                   0 if start >= state.score_prompt_below
-                                   else _prompt_rows(state, start, num_new)))
-            if keep:
-                input_ids += state.token_ids[start:start + num_new]
+            inputs.add(state, new.num_computed, new.num_new, new.sample, self.builds_inputs)
+        self._apply_cached(plan.cached_seqs, inputs, fed or {}, deferred)
         return inputs
+
+    def _apply_cached(self, cached_seqs: Sequence[StageCachedSeq], inputs: StepInputs,
+                      fed: Mapping[int, int], deferred: bool) -> None:
+        """`apply`'s diffs of held sequences, appended to `inputs`: the hot loop (every
+        running sequence, every step), so fields are unpacked once and chunks are built
+        without `SeqChunk`'s Python constructor. A one-token input is read by index: the
+        check made sure the first stage knows it."""
+        seqs, refs, keep, unfilled = self.seqs, self.block_refs, self.keep_tokens, self._unfilled
+        chunks, input_ids, ahead = inputs.chunks, inputs.input_ids, inputs.ahead
+        with_inputs = self.builds_inputs
+        for seq_id, new_blocks, start, num_new, appended, sample, from_step in cached_seqs:
+            state = seqs[seq_id]
+            table = state.block_table
+            if new_blocks:
+                table += new_blocks
+                refs.update(new_blocks)
+            if keep:
+                tokens = state.token_ids
+                if from_step is not None:
+                    if with_inputs:
+                        ahead.append((len(input_ids), seq_id, from_step))
+                    token = fed.get(seq_id)
+                    if token is None:
+                        assert deferred, "a run-ahead input needs its token"
+                        unfilled[seq_id] = len(tokens)
+                        token = 0
+                    tokens.append(token)
+                elif appended:
+                    tokens += appended
+                if with_inputs:
+                    if num_new == 1:
+                        input_ids.append(tokens[start])
+                    else:
+                        input_ids += tokens[start:start + num_new]
+            rows = (0 if start >= state.score_prompt_below
+                    else _prompt_rows(state, start, num_new))
+            chunks.append(_new_tuple(SeqChunk, (seq_id, start, num_new, table, sample, rows)))
 
     def record_sampled(self, step_id: int, seq_ids: Sequence[int],
                        token_ids: Sequence[int]) -> None:

@@ -266,15 +266,18 @@ class StageLeader:
         stage sampled it (the check made sure of the step); the first stage of several
         waits for it from the feedback link. Inputs sampled at step `unresolved` (whose
         tokens are still on the device) are left out."""
-        ahead = [(c.seq_id, c.input_from_step) for c in plan.cached_seqs
-                 if c.input_from_step is not None]
         rank = self.rank
-        if not ahead or not rank.held.keep_tokens:
+        if not rank.held.keep_tokens:
             return {}
         if rank.is_last:
             seqs = rank.held.seqs
-            return {seq_id: seqs[seq_id].output_ids[-1] for seq_id, k in ahead
-                    if k != unresolved}
+            return {seq_id: seqs[seq_id].output_ids[-1]
+                    for seq_id, _, _, _, _, _, k in plan.cached_seqs
+                    if k is not None and k != unresolved}
+        ahead = [(c.seq_id, c.input_from_step) for c in plan.cached_seqs
+                 if c.input_from_step is not None]
+        if not ahead:
+            return {}
         return self.feedback.take(plan.step_id, ahead, self.step_timeout_s)
 
     def _start_sampling(self, step_id: int, chunks: list[SeqChunk],

@@ -92,6 +92,7 @@ class StageMetrics:
             P + "hop_send_seconds", "Per step: time to hand the activations to the next "
             "stage's link, by transport", ["transport"], buckets=STEP_BUCKETS,
             registry=registry)
+        self._hop_send_by: dict[str, Histogram] = {}  # hop_send's child of each transport
         self.bubble = Gauge(P + "bubble_fraction", "Share of the last 10 s this stage "
                             "waited for input (0 when it ran no step)", registry=registry)
         self.bubble.set_function(lambda: window.snapshot()[1])
@@ -110,4 +111,7 @@ class StageMetrics:
         self.busy.observe(busy_s)
 
     def sent(self, transport: str, seconds: float) -> None:
-        self.hop_send.labels(transport).observe(seconds)
+        child = self._hop_send_by.get(transport)
+        if child is None:  # `labels` takes a lock and builds a key: once per transport
+            child = self._hop_send_by[transport] = self.hop_send.labels(transport)
+        child.observe(seconds)

@@ -11,6 +11,7 @@ token (log probability 0.0 where asked).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import torch
 
@@ -19,6 +20,8 @@ from stage_worker.host_transfer import host_tensor
 from stage_worker.model_runner import InputFill, ModelRunner, StageCapacity, StageShape
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample
+
+_SAMPLE, _PROMPT_ROWS = attrgetter("sample"), attrgetter("prompt_rows")  # of a SeqChunk
 
 # Pool size a null stage announces when none is configured: blocks cost it nothing.
 NULL_NUM_BLOCKS = 1 << 16
@@ -54,26 +57,27 @@ class NullRunner(ModelRunner):
             fill(inputs)
         layers = self._shape.layers
         if layers.is_last:
-            return torch.empty(sum(c.sample + c.prompt_rows for c in chunks), 0)
+            return torch.empty(sum(map(_SAMPLE, chunks)) + sum(map(_PROMPT_ROWS, chunks)), 0)
         if layers.is_first:
-            return self._zero_rows(len(inputs))
+            return self._zero_rows(inputs.shape[0])
         return inputs
 
     def _zero_rows(self, n: int) -> torch.Tensor:
         """[n, H] zeros: a read-only view of the kept buffer (nothing writes activations a
         stage sends)."""
-        if len(self._zeros) < n:
-            self._zeros = torch.zeros(max(n, 2 * len(self._zeros)), self._shape.hidden_size,
+        kept = self._zeros.shape[0]
+        if kept < n:
+            self._zeros = torch.zeros(max(n, 2 * kept), self._shape.hidden_size,
                                       dtype=self._shape.dtype)
         return self._zeros[:n]
 
     def sample(self, seqs: Sequence[HeldSeq], scores: torch.Tensor) -> StepSample:
         vocab = self._shape.vocab_size
+        seq_ids = [s.seq_id for s in seqs]
         ids = host_tensor([(s.seq_id + s.num_outputs) % vocab for s in seqs])
         wants = [s.sampling.logprobs if s.sampling else None for s in seqs]
-        if all(k is None for k in wants):
-            return StepSample.of([s.seq_id for s in seqs], ids, wants)
-        n = len(seqs)  # asked-for logprobs are 0.0, with no alternatives
-        return StepSample.of([s.seq_id for s in seqs], ids, wants,
-                             (torch.zeros(n), torch.zeros(n, 0, dtype=torch.int64),
-                              torch.zeros(n, 0)))
+        n = len(seqs)
+        if wants.count(None) == n:
+            return StepSample.of(seq_ids, ids, wants)
+        zeros = (torch.zeros(n), torch.zeros(n, 0, dtype=torch.int64), torch.zeros(n, 0))
+        return StepSample.of(seq_ids, ids, wants, zeros)  # logprobs 0.0, no alternatives

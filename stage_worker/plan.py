@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter
 from typing import NamedTuple
 
 from foundation.sampling_params import SamplingParams
+
+_NUM_NEW = attrgetter("num_new")  # of a StageNewSeq or a StageCachedSeq
 
 
 class PlanError(ValueError):
@@ -63,7 +66,7 @@ class StagePlan:
 
     @cached_property
     def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.new_seqs) + sum(s.num_new for s in self.cached_seqs)
+        return sum(map(_NUM_NEW, self.new_seqs)) + sum(map(_NUM_NEW, self.cached_seqs))
 
     @property
     def num_seqs(self) -> int:

@@ -69,7 +69,9 @@ def check_plan(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
         _check_chunk(where, new.num_computed, new.num_new, len(new.block_ids), limits)
         if needs_tokens:
             _check_tokens(where, len(new.token_ids), new.num_computed + new.num_new)
-    for cached in plan.cached_seqs:
+    if _cached_pass(plan, held, limits, freed | seen, needs_tokens, knows_samples):
+        return
+    for cached in plan.cached_seqs:  # a diff is refused: find the first, and say why
         seq_id = cached.seq_id
         state = None if seq_id in freed else held.get(seq_id)
         if state is None or seq_id in seen:
@@ -77,6 +79,37 @@ def check_plan(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
             raise PlanError(f"{where} is not held by this stage")
         seen.add(seq_id)
         _check_cached(step, cached, state, limits, needs_tokens, knows_samples)
+
+
+def _cached_pass(plan: StagePlan, held: Mapping[int, HeldSeq], limits: StepLimits,
+                 taken: set[int], needs_tokens: bool, knows_samples: bool) -> bool:
+    """Whether every diff of `plan` names a held sequence once (none of `taken`: freed, or
+    sent as new) and passes `_check_cached`: the same conditions in one pass over the diffs
+    (the hot loop: every running sequence, every step), without saying which one fails."""
+    cached = plan.cached_seqs
+    seq_ids = [c[0] for c in cached]
+    if len(set(seq_ids)) != len(seq_ids) or not taken.isdisjoint(seq_ids):
+        return False
+    step, num_blocks, block_size, get = plan.step_id, limits.num_blocks, limits.block_size, held.get
+    for seq_id, blocks, start, num_new, appended, _, from_step in cached:
+        state = get(seq_id)
+        if state is None:
+            return False
+        end = start + num_new
+        if (num_new < 1 or start < 0
+                or (len(state.block_table) + len(blocks)) * block_size < end
+                or (blocks and (min(blocks) < 0 or max(blocks) >= num_blocks))):
+            return False
+        if from_step is None:
+            known = len(state.token_ids) + len(appended)
+        elif (num_new != 1 or appended or not 0 <= from_step < step
+              or (knows_samples and state.last_sample_step != from_step)):
+            return False
+        else:
+            known = len(state.token_ids) + 1
+        if needs_tokens and known < end:
+            return False
+    return True
 
 
 def _check_cached(step: int, cached: StageCachedSeq, state: HeldSeq, limits: StepLimits,

@@ -40,7 +40,8 @@ class StageRank:
         self.shape = runner.shape
         layers = self.shape.layers
         self.is_first, self.is_last = layers.is_first, layers.is_last
-        self.held = HeldSeqs(keep_tokens=self.is_first or self.is_last)
+        self.held = HeldSeqs(keep_tokens=self.is_first or self.is_last,
+                             builds_inputs=self.is_first)
         cap = runner.capacity
         self.last_step_id = -1  # the last plan checked on this Run stream
         self.limits = StepLimits(cap.max_num_batched_tokens, cap.max_num_seqs, num_blocks,
@@ -98,9 +99,9 @@ class StageRank:
             ahead = step.ahead
 
             def fill(ids: torch.Tensor) -> None:
-                fed = late([(seq_id, k) for _, seq_id, k in ahead])
-                rows = [row for row, _, _ in ahead]
-                packed = upload(host_tensor(rows + [fed[seq_id] for _, seq_id, _ in ahead]),
+                rows, seq_ids, steps = zip(*ahead, strict=True)
+                fed = late(list(zip(seq_ids, steps, strict=True)))
+                packed = upload(host_tensor([*rows, *map(fed.__getitem__, seq_ids)]),
                                 ids.device)
                 ids.index_copy_(0, packed[:len(rows)], packed[len(rows):])
                 self.held.fill_inputs(fed)
@@ -124,7 +125,8 @@ class StageRank:
         """Last stage, rank 0: pick a token for every sampling chunk (chunk order) from the
         scores `step` returned. The tokens' host copy is under way; the caller resolves it
         and records the tokens (`held.record_sampled`)."""
-        seqs = [self.held.seqs[c.seq_id] for c in chunks if c.sample]
+        held = self.held.seqs
+        seqs = [held[c.seq_id] for c in chunks if c.sample]
         return self.runner.sample(seqs, scores[:len(seqs)])
 
     def prompt_logprobs(self, chunks: Sequence[SeqChunk], scores: torch.Tensor,

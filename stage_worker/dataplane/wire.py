@@ -120,14 +120,16 @@ def wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat, writable byte view of a C-contiguous CPU tensor's memory (no copy).
 
-    The dtype is reinterpreted as uint8 in torch first (numpy has no bfloat16), then exposed
-    through numpy's buffer; the memoryview keeps the tensor alive.
+    Exposed through numpy's buffer, cast to bytes; a bfloat16 tensor (numpy has no bfloat16)
+    is reinterpreted as uint8 in torch first. The memoryview keeps the tensor alive.
     """
     if tensor.numel() == 0:
         return memoryview(bytearray())  # memoryview cannot cast zero-size shapes
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)  # a dtype view needs a dim to scale
-    return tensor.view(torch.uint8).numpy().data.cast("B")
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.uint8)
+    return tensor.numpy().data.cast("B")
 
 
 @functools.lru_cache(maxsize=512)

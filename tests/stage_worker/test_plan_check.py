@@ -118,3 +118,33 @@ def test_run_ahead_inputs_are_checked() -> None:
         check(StageCachedSeq(1, (), 6, 1, (), True, 2), knows_samples=True)
     check(StageCachedSeq(1, (), 6, 1, (), True, 2))  # a first stage takes it from the link
 
+
+
+def test_a_refused_diff_is_named_as_the_first_one_in_batch_order() -> None:
+    held = HeldSeqs()
+    held.apply(_plan(_new(1), _new(2, blocks=(2, 3))))
+    seqs = held.seqs
+    decode = StageCachedSeq(1, (), 6, 1, (7,), True)
+    short = StageCachedSeq(2, (), 8, 1, (7,), True)  # 2 blocks of 4 cannot hold 9 tokens
+    with pytest.raises(PlanError, match="step 1, sequence 1 is listed twice"):
+        check_plan(_plan(cached=(decode, decode)), seqs, LIMITS, True)
+    with pytest.raises(PlanError, match="step 1, sequence 2: 2 blocks cannot hold 9 tokens"):
+        check_plan(_plan(cached=(short, decode, decode)), seqs, LIMITS, True)
+    with pytest.raises(PlanError, match="step 1, sequence 1 is listed twice"):
+        check_plan(StagePlan(1, (_new(1),), (decode,), (1,)), seqs, LIMITS, True)
+    with pytest.raises(PlanError, match="step 1, sequence 1 is not held"):
+        check_plan(StagePlan(1, (), (decode,), (1,)), seqs, LIMITS, True)
+    check_plan(_plan(cached=(decode, StageCachedSeq(2, (4,), 6, 1, (7,), True))), seqs,
+               LIMITS, True)
+
+
+def test_a_last_stage_keeps_tokens_but_builds_no_inputs() -> None:
+    held = HeldSeqs(keep_tokens=True, builds_inputs=False)
+    step = held.apply(_plan(_new(1)))
+    assert step.input_ids == [] and [c.num_new for c in step.chunks] == [6]
+    held.record_sampled(1, [1], [40])
+    ahead = StageCachedSeq(1, (2,), 6, 1, (), True, 1)
+    step = held.apply(StagePlan(2, (), (ahead,), ()), fed={1: 40})
+    assert step.input_ids == [] and step.ahead == []
+    assert held.seqs[1].token_ids == [*PROMPT, 40] and held.seqs[1].block_table == [0, 1, 2]
+    assert step.chunks[0] == (1, 6, 1, [0, 1, 2], True, 0)
