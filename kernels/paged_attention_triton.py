@@ -23,13 +23,10 @@ sequence writes m = -inf, l = 0 and weighs nothing in the merge. The count is a 
 argument (not specialised): every count shares one compiled kernel, so no step waits on a
 compile for a batch size it has not seen.
 
-Rope and the KV write folded in (`ROPE_KV`, pure decode steps only): the kernel takes the
-step's q, k and v before rotary embedding; each program rotates its own query rows on load,
-and the one program whose key range holds a sequence's new key (the last) rotates that
-token's k for its KV head and writes k and v to their slot before it reads its keys. It
-does what `kernels.rope_kv` followed by this kernel does, in one launch: 16-bit caches get
-the reference's values bit for bit. Caches in q's dtype only (an fp8 cache keeps the two
-launches).
+Rope and the KV write folded in (`ROPE_KV`, pure decode steps, caches in q's dtype): each
+program rotates its query rows on load, and the one whose key range holds a sequence's new
+key rotates that k and writes k and v to their slot before it reads its keys: what
+`kernels.rope_kv` then this kernel do, in one launch (16-bit caches bit for bit).
 
 An fp8 cache (float8_e4m3fn) is passed as its bytes and widened in registers after each
 load (exact): half the bytes of a bf16 cache cross the memory bus. The dots then run in fp16
@@ -48,7 +45,7 @@ import triton.language as tl
 from kernels.attention_metadata import PagedAttentionMetadata
 from kernels.fp8_format import FP8
 from kernels.platform import TRITON_INTERPRETED
-from kernels.rope_kv_triton import _to_cache
+from kernels.rope_kv_triton import _rope_rows, _to_cache
 
 
 @dataclass(frozen=True)
@@ -135,18 +132,6 @@ def _attend_block(i, q, q_pos, kv_lo, kv_end, m_i, l_i, acc, K, V, table, kv_hea
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _rope_rows(x, x_partner, cos, sin, upper, DTYPE: tl.constexpr):
-    """x * cos + rotate_half(x) * sin over whole rows [.., D] (`kernels.rope_kv_triton`'s
-    `_rotate`, same roundings): x_partner holds each element's other half (d + D/2 for the
-    first half, d - D/2 for the second), `upper` marks the second half; cos, sin rounded to
-    DTYPE, each product and the sum rounded to DTYPE."""
-    x = x.to(tl.float32)
-    xc = (x * cos).to(DTYPE).to(tl.float32)
-    xs = (x_partner.to(tl.float32) * sin).to(DTYPE).to(tl.float32)
-    return tl.where(upper, xc + xs, xc - xs).to(DTYPE)
 
 
 # Arguments that change from step to step are not specialized (Triton otherwise compiles a
@@ -338,28 +323,6 @@ class NewKV:
     slot_mapping: torch.Tensor
 
 
-def rope_kv_decode_attention_triton(
-    q: torch.Tensor,
-    new: NewKV,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: PagedAttentionMetadata,
-    scale: float,
-    splits: int | None = None,
-) -> torch.Tensor:
-    """`kernels.rope_kv`'s rope and KV write, then `paged_attention_triton`, for a pure decode
-    step (every sequence one query row) in one launch: q [T, Hq, D] before rope ->
-    attention output [T, Hq, D]; the caches get the rotated k and v. D a power of two."""
-    head_dim = q.shape[2]
-    assert meta.is_pure_decode and head_dim & (head_dim - 1) == 0, "decode, D = 2^n"
-    # On the H200 an fp8 cache written this way differed from rope_kv's kernel for 8 KV
-    # heads of 128 (the cause not found): fp8 caches keep the two launches.
-    assert k_cache.dtype != FP8, "an fp8 cache takes rope_and_write_kv, then attention"
-    assert new.k.stride(2) == 1 and new.v.stride(2) == 1 and new.cos.stride(1) == 1
-    assert new.sin.stride() == new.cos.stride()
-    return paged_attention_triton(q, k_cache, v_cache, meta, scale, splits=splits, new=new)
-
-
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -374,13 +337,22 @@ def paged_attention_triton(
 
     `splits` (key ranges per tile, split KV) is chosen by `kv_splits` from the batch's shape
     and the card's SM count, and `launch` is DECODE_LAUNCH or PREFILL_LAUNCH by the longest
-    query, unless given (tests and `benchmarks.attention_kernel` set them). `new`: q is
-    before rope and the step's k, v are rotated and written here
-    (`rope_kv_decode_attention_triton`)."""
+    query, unless given (tests and `benchmarks.attention_kernel` set them).
+
+    `new`: a pure decode step whose q is before rope; its k and v are rotated and written
+    here, in the same launch (`kernels.rope_kv.rope_kv_decode_attention`; D a power of two,
+    the cache in q's dtype)."""
     num_tokens, num_heads, head_dim = q.shape
     _, kv_block, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
     assert k_cache.stride(3) == 1 and q.stride(2) == 1, "last dimension must be contiguous"
+    if new is not None:
+        assert meta.is_pure_decode and head_dim & (head_dim - 1) == 0, "decode, D = 2^n"
+        # On the H200 an fp8 cache written this way differed from rope_kv's kernel for 8 KV
+        # heads of 128 (the cause not found): fp8 caches keep the two launches.
+        assert k_cache.dtype != FP8, "an fp8 cache takes rope_and_write_kv, then attention"
+        assert new.k.stride(2) == 1 and new.v.stride(2) == 1 and new.cos.stride(1) == 1
+        assert new.sin.stride() == new.cos.stride()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     fp8_kv = k_cache.dtype == FP8
     if fp8_kv:  # the bits, widened in the kernel (Triton's interpreter has no fp8 arrays)

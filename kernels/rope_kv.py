@@ -16,7 +16,7 @@ each rounded to it, then their sum.
 
 `rope_kv_decode_attention` is this followed by `kernels.paged_attention` for a pure decode
 step (every sequence one query row): on CUDA, with the cache in q's dtype, one Triton
-launch does both (`kernels.paged_attention_triton.rope_kv_decode_attention_triton`),
+launch does both (`kernels.paged_attention_triton.paged_attention_triton` given the new k, v),
 elsewhere the two kernels or the two references.
 """
 
@@ -71,9 +71,9 @@ def rope_kv_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and uses_triton_kernel(q.device, k_cache.shape[1], head_dim)
             and head_dim & (head_dim - 1) == 0 and q.stride(2) == 1 and k.stride(2) == 1
             and v.stride(2) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()):
-        from kernels.paged_attention_triton import NewKV, rope_kv_decode_attention_triton
+        from kernels.paged_attention_triton import NewKV, paged_attention_triton
 
-        return rope_kv_decode_attention_triton(
-            q, NewKV(k, v, cos, sin, slot_mapping), k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale,
+                                      new=NewKV(k, v, cos, sin, slot_mapping))
     q_rot = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     return paged_attention(q_rot, k_cache, v_cache, meta, scale)

@@ -37,6 +37,19 @@ def _rotate(X, C, S, heads, stride_h, HALF: tl.constexpr, H_PAD: tl.constexpr,
 
 
 @triton.jit
+def _rope_rows(x, x_partner, cos, sin, upper, DTYPE: tl.constexpr):
+    """x * cos + rotate_half(x) * sin over whole rows [.., D], `_rotate`'s roundings (the
+    decode attention launch rotates rows in place, `kernels.paged_attention_triton`):
+    x_partner holds each element's other half (d + D/2 for the first half, d - D/2 for the
+    second), `upper` marks the second half; cos, sin already rounded to DTYPE, each product
+    and the sum rounded to DTYPE."""
+    x = x.to(tl.float32)
+    xc = (x * cos).to(DTYPE).to(tl.float32)
+    xs = (x_partner.to(tl.float32) * sin).to(DTYPE).to(tl.float32)
+    return tl.where(upper, xc + xs, xc - xs).to(DTYPE)
+
+
+@triton.jit
 def _to_cache(x, CACHE_DTYPE: tl.constexpr, FP8_KV: tl.constexpr):
     """x as the cache stores it: a cast, or (FP8_KV) the bits of x rounded to nearest even on
     e4m3's grid and saturated to +-448. The rounding is done here in fp32 (3 mantissa bits;

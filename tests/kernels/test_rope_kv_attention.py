@@ -29,11 +29,7 @@ def check(device: str, dtype: torch.dtype, splits: tuple[int | None, ...],
           heads: tuple[tuple[int, int, int], ...] = HEADS) -> None:
     """For each head layout and split count: the fused launch against rope_and_write_kv's
     kernel followed by the attention kernel and against the references (module docstring)."""
-    from kernels.paged_attention_triton import (
-        NewKV,
-        paged_attention_triton,
-        rope_kv_decode_attention_triton,
-    )
+    from kernels.paged_attention_triton import NewKV, paged_attention_triton
     from kernels.rope_kv_triton import rope_and_write_kv_triton
 
     for seed, (hq, hkv, dim) in enumerate(heads):
@@ -62,8 +58,8 @@ def check(device: str, dtype: torch.dtype, splits: tuple[int | None, ...],
                 rope_and_write_kv_triton(q, k, v, cos, sin, two_k, two_v, slots), two_k, two_v,
                 case.meta, case.scale, splits=n)
             one_k, one_v = case.k_cache.clone(), case.v_cache.clone()
-            one = rope_kv_decode_attention_triton(q, NewKV(k, v, cos, sin, slots), one_k, one_v,
-                                                  case.meta, case.scale, splits=n)
+            one = paged_attention_triton(q, one_k, one_v, case.meta, case.scale, splits=n,
+                                         new=NewKV(k, v, cos, sin, slots))
             where = f"{dtype} heads {hq}/{hkv} dim {dim} splits {n}"
             want_k, want_v = (two_k, two_v) if dtype == torch.float32 else (ref_k, ref_v)
             assert torch.equal(one_k.cpu(), want_k.cpu()), where
@@ -98,15 +94,15 @@ def test_fused_launch_on_cuda(dtype: torch.dtype) -> None:
 def test_an_fp8_cache_keeps_the_two_launches() -> None:
     """The fused launch takes caches in q's dtype only; the dispatcher sends an fp8 cache
     through rope_and_write_kv and the attention kernel."""
-    from kernels.paged_attention_triton import NewKV, rope_kv_decode_attention_triton
+    from kernels.paged_attention_triton import NewKV, paged_attention_triton
 
     case = mixed_case(0, 32, 8, 128, block=16, num_blocks=64, shapes=DECODES,
                       dtype=torch.bfloat16, device="cuda", kv_dtype=torch.float8_e4m3fn)
     q, k, v = (torch.randn(case.q.shape[0], h, 128, dtype=torch.bfloat16, device="cuda")
                for h in (32, 8, 8))
     with pytest.raises(AssertionError, match="fp8 cache"):
-        rope_kv_decode_attention_triton(q, NewKV(k, v, case.cos, case.sin, case.slot_mapping),
-                                        case.k_cache, case.v_cache, case.meta, case.scale)
+        paged_attention_triton(q, case.k_cache, case.v_cache, case.meta, case.scale,
+                               new=NewKV(k, v, case.cos, case.sin, case.slot_mapping))
     got = rope_kv_decode_attention(q, k, v, case.cos, case.sin, case.k_cache, case.v_cache,
                                    case.slot_mapping, case.meta, case.scale)
     assert got.shape == q.shape and bool(got.isfinite().all())

@@ -119,7 +119,6 @@ def test_run_ahead_inputs_are_checked() -> None:
     check(StageCachedSeq(1, (), 6, 1, (), True, 2))  # a first stage takes it from the link
 
 
-
 def test_a_refused_diff_is_named_as_the_first_one_in_batch_order() -> None:
     held = HeldSeqs()
     held.apply(_plan(_new(1), _new(2, blocks=(2, 3))))
