@@ -125,7 +125,22 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 # --- the two ends ------------------------------------------------------------------------
 
 
-class NcclReceiver(SideLinkEnd):
+class _NcclEnd(SideLinkEnd):
+    """What both ends share: the communicator is aborted before a closed link is reported,
+    so whoever sees `LinkClosedError` may count on the queued NCCL operations ending."""
+
+    _comm: NcclComm
+
+    def _raise_if_closed(self) -> None:
+        if self.closed:
+            self.close()  # the peer may have ended the side link: abort our end first
+            raise self._closed_error()
+
+    def _release(self) -> None:
+        self._comm.abort()  # the peer sees the side link's EOF and aborts its end
+
+
+class NcclReceiver(_NcclEnd):
     """The listener's end (rank 0): receives. ``send`` is not supported (one-way)."""
 
     kind = TransportKind.NCCL
@@ -169,11 +184,8 @@ class NcclReceiver(SideLinkEnd):
                 raise LinkClosedError(f"nccl receive from {self.peer} failed: {e}") from e
             return step_id, out
 
-    def _release(self) -> None:
-        self._comm.abort()  # the peer sees the side link's EOF and aborts its end
 
-
-class NcclSender(CreditedSender):
+class NcclSender(CreditedSender, _NcclEnd):
     """The connector's end (rank 1): sends. ``recv`` is not supported. Its credits are all
     0: any ``credits`` messages may be in flight."""
 
@@ -207,8 +219,13 @@ class NcclSender(CreditedSender):
             try:
                 self._side.send(step_id, [desc], timeout_s=remaining)
             except TransportTimeout as e:
-                if not e.link_closed:
+                if e.link_closed:
+                    self.close()
+                else:
                     self._credits.put(credit)  # nothing went out: the credit is still ours
+                raise
+            except TransportError:
+                self.close()  # the side link is gone: the communicator goes with it
                 raise
             try:
                 self._comm.order_after_caller()
@@ -219,9 +236,6 @@ class NcclSender(CreditedSender):
             except Exception as e:  # NCCL failed (aborted, peer gone)
                 self.close()
                 raise LinkClosedError(f"nccl send to {self.peer} failed: {e}") from e
-
-    def _release(self) -> None:
-        self._comm.abort()  # the peer sees the side link's EOF and aborts its end
 
     def _credits_ended(self) -> None:
         self.close()  # the peer is gone: end the communicator (queued sends end)

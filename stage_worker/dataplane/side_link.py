@@ -128,7 +128,7 @@ def connect_side(host: str, port: int, *, token: bytes, timeout_s: float,
 class SideLinkEnd(Transport):
     """One end of a one-way link: ``send`` and ``recv_any`` refuse until a sender overrides
     ``send``, a receiver ``recv_any``. ``close`` (idempotent, thread-safe) closes the side
-    link (the peer sees EOF), then calls `_release` once."""
+    link (the peer sees EOF), then calls `_release` once; every ``close`` returns after it."""
 
     kind: ClassVar[TransportKind]
     _ARTICLE: ClassVar[str] = "a"  # "a cuda_ipc link", "an nccl link"
@@ -151,12 +151,13 @@ class SideLinkEnd(Transport):
         raise self._one_way()
 
     def close(self) -> None:
+        """Returns once the end is released, whichever thread closed it first."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        self._side.close()
-        self._release()
+            self._side.close()
+            self._release()
 
     @abc.abstractmethod
     def _release(self) -> None:

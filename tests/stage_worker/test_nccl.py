@@ -267,6 +267,13 @@ def test_a_closed_sender_wakes_a_blocked_receive_and_aborts_both_communicators()
 def test_a_closed_receiver_fails_the_next_send() -> None:
     backend = LoopbackNccl()
     sender, receiver = _pair(backend)
+    credits_ended = sender._credits_ended
+
+    def late_credits_ended() -> None:  # the credit reader is slow to close: the send still
+        time.sleep(0.3)                # aborts the communicator before it reports the close
+        credits_ended()
+
+    sender._credits_ended = late_credits_ended  # type: ignore[method-assign]
     receiver.close()
 
     def send_until_it_fails() -> None:
