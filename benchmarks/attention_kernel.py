@@ -30,9 +30,9 @@ import torch
 from benchmarks.report import git_revision, print_table, write_json
 from benchmarks.runtime_vs_hf import cuda_time_ms, roofline
 from kernels.paged_attention_triton import (
-    DECODE_LAUNCH,
-    PREFILL_LAUNCH,
     LaunchConfig,
+    default_launch,
+    kv_splits,
     paged_attention_triton,
 )
 from kernels.rotary import rope_inv_freq
@@ -46,6 +46,7 @@ CASES = {
     "decode b1 ctx512 no split": (1, 511, 1, 1),
     "decode b1 ctx4096": (1, 4095, 1, None),
     "decode b1 ctx4096 no split": (1, 4095, 1, 1),
+    "decode b16 ctx512": (16, 511, 1, None),
     "decode b64 ctx512": (64, 511, 1, None),
     "decode b256 ctx512": (256, 511, 1, None),
     "prefill 1x4096": (1, 0, 4096, None),
@@ -103,7 +104,11 @@ def run_case(name: str, seqs: int, cached: int, new: int, splits: int | None,
              roof: dict[str, float], device: torch.device, reps: int) -> dict[str, Any]:
     """Every configuration of the case's grid: its time, checked against the default's output."""
     q, k, v, meta = _case(seqs, cached, new, device)
-    default = DECODE_LAUNCH if new == 1 else PREFILL_LAUNCH
+    rows = new * HQ // HKV
+    block_m = default_launch(rows, 1).block_m
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    default = default_launch(rows, splits or kv_splits(seqs * HKV * -(-rows // block_m), rows,
+                                                       block_m, sms))  # the kernel's pick
 
     def attend(launch: LaunchConfig) -> torch.Tensor:
         return paged_attention_triton(q, k, v, meta, D**-0.5, splits=splits, launch=launch)

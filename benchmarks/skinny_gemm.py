@@ -34,6 +34,9 @@ from kernels.skinny_linear_triton import SkinnyLaunch, skinny_launch, skinny_lin
 
 GRID = [SkinnyLaunch(n, k, w, s, split) for n, k, w, s, split in
         itertools.product((32, 64), (128, 256), (4,), (3, 4), (1, 2, 4, 8))]
+# `--wide`: narrower and deeper tiles, more warps and stages, little split (batch 1).
+WIDE_GRID = [SkinnyLaunch(n, k, w, s, split) for n, k, w, s, split in
+             itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 5), (1, 2))]
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -59,7 +62,8 @@ def graph_ms(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(cuda_time_ms(graph.replay, 10)) / calls
 
 
-def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]) -> dict[str, Any]:
+def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float],
+         grid_launches: list[SkinnyLaunch]) -> dict[str, Any]:
     nbytes = out_f * in_f * 2
     copies = max(2, -(-(512 << 20) // nbytes))
     weights = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) / in_f ** 0.5
@@ -89,7 +93,7 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]) ->
     row["default"] = vars(skinny_launch(out_f, in_f, fp8=False))
     ref_err = (F.linear(x, weights[0]).float() - want).abs().max().item()
     row["grid"] = grid = []
-    for launch in GRID:
+    for launch in grid_launches:
         try:
             got = skinny_linear_triton(x, weights[0], launch=launch)
         except OutOfResources:  # too many stages of too large a tile for shared memory
@@ -110,7 +114,7 @@ def case(name: str, out_f: int, in_f: int, rows: int, roof: dict[str, float]) ->
         except OutOfResources:
             row["fused_silu_ms"] = float("nan")
         fused = []
-        for launch in GRID:
+        for launch in grid_launches:
             if launch.split_k > 2:
                 continue
             try:
@@ -132,18 +136,23 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--out", type=Path, default=Path("skinny_gemm.json"))
+    ap.add_argument("--wide", action="store_true",
+                    help="search the wider grid of launches (WIDE_GRID) instead of GRID")
+    ap.add_argument("--only", default="", help="comma-separated projections (default: all)")
     args = ap.parse_args()
     roof = roofline()
     print(f"roofline: {roof}", flush=True)
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         for name, (out_f, in_f) in projections(args.shape).items():
-            rows.append(case(name, out_f, in_f, m, roof))
+            if args.only and name not in args.only.split(","):
+                continue
+            rows.append(case(name, out_f, in_f, m, roof, WIDE_GRID if args.wide else GRID))
             print({k: v for k, v in rows[-1].items() if k not in ("grid", "fused_grid")},
                   flush=True)
     write_json(args.out, {"shape": args.shape, "roofline": roof,
                           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                          "revision": git_revision()}, rows)
+                          "revision": git_revision(), "wide": args.wide}, rows)
     print_table([{k: v for k, v in r.items()
                   if k not in ("triton_best", "default", "grid", "fused_grid")} for r in rows])
 

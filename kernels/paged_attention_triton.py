@@ -64,10 +64,13 @@ class LaunchConfig:
 
 
 # Chosen by `benchmarks.attention_kernel` on an H200 (llama3-8b heads, bf16): within 1 % of
-# the best of its grid at decode batch 64 and 256 and within 1-2 us of the best at batch 1
-# (split KV); for prefill chunks the best at 1 x 4,096 and 8 x 512 (128 rows: 32 tokens of
-# a 4-head group; 10 % faster than 64 rows with 4 warps).
+# the best of its grid at decode batch 64 and 256; for prefill chunks the best at 1 x 4,096
+# and 8 x 512 (128 rows: 32 tokens of a 4-head group; 10 % faster than 64 rows with 4
+# warps). A decode launch whose keys are split (few sequences) takes SPLIT_DECODE_LAUNCH:
+# each program reads a few tiles only, so more warps beat a deeper pipeline (batch 1:
+# 5.9 against 6.9 us at context 512, 10.5 against 11.0 at 4,096).
 DECODE_LAUNCH = LaunchConfig(block_m=16, block_n=64, num_warps=2, num_stages=3)
+SPLIT_DECODE_LAUNCH = LaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=1)
 PREFILL_LAUNCH = LaunchConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
 BLOCK_M = DECODE_LAUNCH.block_m
 MAX_SPLITS = 16  # key ranges per tile at most (split KV)
@@ -310,6 +313,16 @@ def kv_splits(programs: int, query_rows: int, block_m: int, sm_count: int) -> in
     return max(1, min(MAX_SPLITS, want))
 
 
+def default_launch(rows: int, splits: int) -> LaunchConfig:
+    """The launch for a step whose longest query has `rows` rows (tokens x heads per KV
+    head) and whose keys are cut in `splits` ranges: PREFILL_LAUNCH from its block_m rows,
+    else DECODE_LAUNCH, or SPLIT_DECODE_LAUNCH where the keys are split (both decode
+    launches have one block_m, so `kv_splits` may be asked with either)."""
+    if rows >= PREFILL_LAUNCH.block_m:
+        return PREFILL_LAUNCH
+    return SPLIT_DECODE_LAUNCH if splits > 1 else DECODE_LAUNCH
+
+
 @dataclass(frozen=True)
 class NewKV:
     """A pure decode step's k and v before rope, with what rotating and writing them needs
@@ -336,8 +349,9 @@ def paged_attention_triton(
     """q [T, Hq, D] -> [T, Hq, D]; see `kernels.paged_attention` for the contract.
 
     `splits` (key ranges per tile, split KV) is chosen by `kv_splits` from the batch's shape
-    and the card's SM count, and `launch` is DECODE_LAUNCH or PREFILL_LAUNCH by the longest
-    query, unless given (tests and `benchmarks.attention_kernel` set them).
+    and the card's SM count, and `launch` is DECODE_LAUNCH (SPLIT_DECODE_LAUNCH when split)
+    or PREFILL_LAUNCH by the longest query, unless given (tests and
+    `benchmarks.attention_kernel` set them).
 
     `new`: a pure decode step whose q is before rope; its k and v are rotated and written
     here, in the same launch (`kernels.rope_kv.rope_kv_decode_attention`; D a power of two,
@@ -358,10 +372,7 @@ def paged_attention_triton(
     if fp8_kv:  # the bits, widened in the kernel (Triton's interpreter has no fp8 arrays)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     rows = meta.max_query_len * group
-    if launch is None:
-        launch = PREFILL_LAUNCH if rows >= PREFILL_LAUNCH.block_m else DECODE_LAUNCH
-    block_m = launch.block_m
-    block_n = max(launch.block_n, kv_block)
+    block_m = launch.block_m if launch is not None else default_launch(rows, 1).block_m
     tiles = triton.cdiv(rows, block_m)
     if splits is None:
         splits = (1 if TRITON_INTERPRETED else
@@ -369,6 +380,9 @@ def paged_attention_triton(
                             _sm_count(q.device.index or 0)))
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
+    if launch is None:
+        launch = default_launch(rows, splits)  # block_m as above
+    block_n = max(launch.block_n, kv_block)
     if splits > 1:  # fp32 partials, row (split, token, head); the merge writes `out`
         m_part = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32,
                              device=q.device)

@@ -14,6 +14,7 @@ import torch
 from foundation.model_config import ModelConfig
 from kernels.fp8_format import FP8
 from kernels.paged_attention import uses_triton_kernel
+from kernels.platform import PLATFORM
 from kernels.rotary import rope_inv_freq
 from stage_worker.block_tables import BlockTables
 from stage_worker.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
@@ -137,7 +138,7 @@ class StageRunner(ModelRunner):
             self.graphs = self._capture_graphs()
             if len(cfg.layers):
                 self.mixed_graphs = self._capture_mixed_graphs()
-        if uses_triton_kernel(cfg.device, cfg.block_size, model_cfg.head_dim):
+        if cfg.device.type == "cuda" and PLATFORM.use_triton:  # norms, rope, SiLU: Triton
             self._warm_up()
         self.use_graphs = self.graphs is not None
         log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens (%s)",
