@@ -15,6 +15,11 @@ docs/OBSERVABILITY.md lists every metric.
 
 from __future__ import annotations
 
+import contextlib
+from bisect import bisect_left
+from collections import Counter as Tally
+from collections.abc import Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from foundation.metrics import (
@@ -25,6 +30,22 @@ from foundation.metrics import (
     TTFT_BUCKETS,
 )
 from router.scheduler.scheduler import SchedulerStats
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for every v of `values`, with one write per bucket touched and
+    one to the sum. In the multi-process store every write is a locked mmap write, and at
+    --stream-interval 1 the front observes one value per token per stream. The bucket
+    counts come out as observing them one by one; the sum to rounding (added once). Reads
+    prometheus_client's `_sum`, `_buckets` and `_upper_bounds` (a test holds this to
+    `observe`)."""
+    if not values:
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(sum(values))
+    bounds, buckets = histogram._upper_bounds, histogram._buckets
+    for i, n in Tally(bisect_left(bounds, v) for v in values).items():  # v <= bounds[i]
+        buckets[i].inc(n)
 
 
 class FrontMetrics:
@@ -40,6 +61,7 @@ class FrontMetrics:
                              "Time between a request's streamed updates after the first (one "
                              "per token at --stream-interval 1)",
                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self._itl_held: list[float] | None = None  # inside `batch`
         self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (output tokens - 1)",
                               buckets=TOKEN_LATENCY_BUCKETS, registry=r)
@@ -57,6 +79,25 @@ class FrontMetrics:
                                 "complete, by kind (unavailable, resource_exhausted, "
                                 "invalid_argument, already_exists, internal)", ["kind"],
                                 registry=r)
+
+    def observe_itl(self, seconds: float) -> None:
+        """One inter-token latency: held until the end of a `batch`, else observed now."""
+        if self._itl_held is not None:
+            self._itl_held.append(seconds)
+        else:
+            self.itl.observe(seconds)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """The inter-token latencies of one step's updates go to the histogram together, at
+        the end (`observe_many`)."""
+        held: list[float] = []
+        self._itl_held = held
+        try:
+            yield
+        finally:
+            self._itl_held = None
+            observe_many(self.itl, held)
 
 
 class CoreMetrics:

@@ -27,7 +27,7 @@ def note_update(metrics: FrontMetrics, state: RequestState) -> None:
         state.first_update = now
         metrics.ttft.observe(now - state.arrived)
     else:
-        metrics.itl.observe(now - state.last_update)
+        metrics.observe_itl(now - state.last_update)
     state.last_update = now
 
 
