@@ -31,8 +31,8 @@ from benchmarks.report import git_revision, print_table, write_json
 from benchmarks.runtime_vs_hf import cuda_time_ms, roofline
 from kernels.paged_attention_triton import (
     LaunchConfig,
+    choose_launch,
     default_launch,
-    kv_splits,
     paged_attention_triton,
 )
 from kernels.rotary import rope_inv_freq
@@ -105,10 +105,9 @@ def run_case(name: str, seqs: int, cached: int, new: int, splits: int | None,
     """Every configuration of the case's grid: its time, checked against the default's output."""
     q, k, v, meta = _case(seqs, cached, new, device)
     rows = new * HQ // HKV
-    block_m = default_launch(rows, 1).block_m
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    default = default_launch(rows, splits or kv_splits(seqs * HKV * -(-rows // block_m), rows,
-                                                       block_m, sms))  # the kernel's pick
+    default = (choose_launch(rows, seqs, HKV, sms)[0] if splits is None  # the kernel's pick
+               else default_launch(rows, splits))
 
     def attend(launch: LaunchConfig) -> torch.Tensor:
         return paged_attention_triton(q, k, v, meta, D**-0.5, splits=splits, launch=launch)

@@ -24,7 +24,7 @@ import datetime as dt
 import multiprocessing as mp
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,19 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def _window(count: Callable[[], int], server_pid: int, window_s: float
+                  ) -> tuple[int, float, float, float]:
+    """After a second for the load to settle: over `window_s`, how far `count()` moved, the
+    seconds, and the server's and this process's CPU seconds."""
+    await asyncio.sleep(1.0)
+    n0, t0 = count(), time.perf_counter()
+    s0, c0 = _cpu_s(server_pid), time.process_time()
+    await asyncio.sleep(window_s)
+    n1, t1 = count(), time.perf_counter()
+    s1, c1 = _cpu_s(server_pid), time.process_time()
+    return n1 - n0, t1 - t0, s1 - s0, c1 - c0
+
+
 async def _measure(port: int, server_pid: int, streams: int, window_s: float
                    ) -> dict[str, float]:
     received = 0
@@ -97,20 +110,15 @@ async def _measure(port: int, server_pid: int, streams: int, window_s: float
 
         tasks = [asyncio.create_task(one(i)) for i in range(streams)]
         try:
-            await asyncio.sleep(1.0)  # every stream running
-            n0, t0 = received, time.perf_counter()
-            s0, c0 = _cpu_s(server_pid), time.process_time()
-            await asyncio.sleep(window_s)
-            n1, t1 = received, time.perf_counter()
-            s1, c1 = _cpu_s(server_pid), time.process_time()
+            count, seconds, server_s, client_s = await _window(lambda: received, server_pid,
+                                                               window_s)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    messages = n1 - n0
-    return {"messages_per_s": messages / (t1 - t0),
-            "server_cpu_us_per_message": (s1 - s0) * 1e6 / messages,
-            "client_cpu_us_per_message": (c1 - c0) * 1e6 / messages}
+    return {"messages_per_s": count / seconds,
+            "server_cpu_us_per_message": server_s * 1e6 / count,
+            "client_cpu_us_per_message": client_s * 1e6 / count}
 
 
 async def _measure_run(port: int, server_pid: int, depth: int, window_s: float
@@ -132,20 +140,15 @@ async def _measure_run(port: int, server_pid: int, depth: int, window_s: float
             await call.write(stage_pb.StepPlans(plans=[stage_pb.StepPlan(step_id=step)]))
         task = asyncio.create_task(reader())
         try:
-            await asyncio.sleep(1.0)
-            n0, t0 = answered, time.perf_counter()
-            s0, c0 = _cpu_s(server_pid), time.process_time()
-            await asyncio.sleep(window_s)
-            n1, t1 = answered, time.perf_counter()
-            s1, c1 = _cpu_s(server_pid), time.process_time()
+            steps, seconds, server_s, client_s = await _window(lambda: answered, server_pid,
+                                                               window_s)
         finally:
             call.cancel()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    steps = n1 - n0  # one message each way per step
-    return {"steps_per_s": steps / (t1 - t0),
-            "server_cpu_us_per_step": (s1 - s0) * 1e6 / steps,
-            "client_cpu_us_per_step": (c1 - c0) * 1e6 / steps}
+    return {"steps_per_s": steps / seconds,  # one message each way per step
+            "server_cpu_us_per_step": server_s * 1e6 / steps,
+            "client_cpu_us_per_step": client_s * 1e6 / steps}
 
 
 def main() -> None:

@@ -323,6 +323,16 @@ def default_launch(rows: int, splits: int) -> LaunchConfig:
     return SPLIT_DECODE_LAUNCH if splits > 1 else DECODE_LAUNCH
 
 
+def choose_launch(rows: int, num_seqs: int, kv_heads: int, sm_count: int
+                  ) -> tuple[LaunchConfig, int]:
+    """(launch, splits) as `paged_attention_triton` picks them when given neither, for a
+    step of `num_seqs` sequences whose longest query has `rows` rows."""
+    block_m = default_launch(rows, 1).block_m  # one block_m for both decode launches
+    splits = kv_splits(num_seqs * kv_heads * triton.cdiv(rows, block_m), rows, block_m,
+                       sm_count)
+    return default_launch(rows, splits), splits
+
+
 @dataclass(frozen=True)
 class NewKV:
     """A pure decode step's k and v before rope, with what rotating and writing them needs

@@ -27,10 +27,7 @@ def launch_class(steps: list[SeqChunk], kv_heads: int, group: int) -> tuple[bool
     """(prefill launch, split KV) of the attention launch for one step, as
     `paged_attention_triton` chooses them."""
     rows = max(c.num_new for c in steps) * group
-    block_m = triton_attention.default_launch(rows, 1).block_m
-    splits = triton_attention.kv_splits(len(steps) * kv_heads * -(-rows // block_m), rows,
-                                        block_m, SMS)
-    launch = triton_attention.default_launch(rows, splits)
+    launch, splits = triton_attention.choose_launch(rows, len(steps), kv_heads, SMS)
     return launch is triton_attention.PREFILL_LAUNCH, splits > 1
 
 
