@@ -6,7 +6,7 @@ Cases of the llama3-8b head layout (32 query heads, 8 KV heads, head dim 128, bf
 blocks of 16 scattered over the pool): decodes at batch 1 (context 512 and 4,096, with and
 without split KV), 64 and 256 (context 512), and prefill chunks (1 x 4,096 and 8 x 512,
 nothing cached before). For each case, every configuration of the grid
-(`kernels.paged_attention_triton.LaunchConfig`) is timed as the decode step runs it: inside
+(`kernels.attention_launch.LaunchConfig`) is timed as the decode step runs it: inside
 a CUDA graph (20 calls per replay, CUDA events, median of `--reps` replays, so host launch
 time is not counted),
 and set against the case's floor: the K/V bytes it must read over the copy rate for
@@ -29,12 +29,8 @@ import torch
 
 from benchmarks.report import git_revision, print_table, write_json
 from benchmarks.runtime_vs_hf import cuda_time_ms, roofline
-from kernels.paged_attention_triton import (
-    LaunchConfig,
-    choose_launch,
-    default_launch,
-    paged_attention_triton,
-)
+from kernels.attention_launch import LaunchConfig, choose_launch, default_launch
+from kernels.paged_attention_triton import paged_attention_triton
 from kernels.rotary import rope_inv_freq
 from stage_worker.block_tables import BlockTables
 from stage_worker.step_input import SeqChunk, build_context

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from foundation.model_config import ModelConfig
+from kernels.attention_launch import PREFILL_LAUNCH
 from kernels.fp8_format import FP8
 from kernels.paged_attention import uses_triton_kernel
 from kernels.platform import PLATFORM
@@ -188,8 +189,6 @@ class StageRunner(ModelRunner):
         met while serving stalls that step for the compile, half a second a kernel. The
         steps write garbage into KV blocks no sequence owns yet; their table rows are
         dropped afterwards. Collective under TP (every rank runs the same steps)."""
-        from kernels.paged_attention_triton import PREFILL_LAUNCH  # CUDA only
-
         started = time.monotonic()
         longest = min(self.cfg.max_num_batched_tokens, self.tables.max_blocks * self.cfg.block_size)
         chunks_list = warm_up_chunks(longest, self.cfg.max_num_seqs,

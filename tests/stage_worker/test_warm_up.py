@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from foundation.model_config import ModelConfig
+from kernels.attention_launch import PREFILL_LAUNCH, choose_launch
 from stage_worker.partition import LayerRange
 from stage_worker.runner import StageRunner, StageRunnerConfig, warm_up_chunks
 from stage_worker.step_input import SeqChunk
 from tests.stage_worker.tiny_checkpoints import write_tiny_checkpoint
-
-triton_attention = pytest.importorskip("kernels.paged_attention_triton")
 
 SMS = 132  # H200
 
@@ -27,8 +26,8 @@ def launch_class(steps: list[SeqChunk], kv_heads: int, group: int) -> tuple[bool
     """(prefill launch, split KV) of the attention launch for one step, as
     `paged_attention_triton` chooses them."""
     rows = max(c.num_new for c in steps) * group
-    launch, splits = triton_attention.choose_launch(rows, len(steps), kv_heads, SMS)
-    return launch is triton_attention.PREFILL_LAUNCH, splits > 1
+    launch, splits = choose_launch(rows, len(steps), kv_heads, SMS)
+    return launch is PREFILL_LAUNCH, splits > 1
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(32, 8), (9, 3), (8, 8), (32, 4), (14, 2)])
@@ -37,7 +36,7 @@ def test_warm_up_reaches_every_launch_a_step_can(heads: int, kv_heads: int, max_
                                                  max_seqs: int) -> None:
     group = heads // kv_heads
     warm = warm_up_chunks(max_tokens, max_seqs, group, 16, 100_000,
-                          triton_attention.PREFILL_LAUNCH.block_m)
+                          PREFILL_LAUNCH.block_m)
     covered = {launch_class(s, kv_heads, group) for s in warm}
     reachable = {launch_class([SeqChunk(i, 0, q, range(1)) for i in range(n)], kv_heads, group)
                  for q, n in itertools.product(range(1, 300), range(1, max_seqs + 1))
