@@ -7,6 +7,12 @@ strings and incremental detokenization (`ChoiceState`), and the deltas queue per
 core (`FinishSeqs`); a stream whose consumer went away aborts its request once. Everything
 the core decides (admission, stop tokens, max_tokens, the context limit, failures) arrives
 as messages; nothing here waits on a step.
+
+An update falls due while the stream's consumer has not taken the previous one yet (its
+client reads slower than tokens come): it is not built then. The tokens stay held by their
+choices (undecoded, where no stop string needs their text) and the consumer builds one
+update from all of them when it wakes, so a lagging stream costs one decode and one delta per
+message it sends, not per token. A finish is always built at once.
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ class Frontend:
         state = RequestState(req, {
             seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
                              req.include_stop_str_in_output, req.skip_special_tokens,
-                             hold_tokens=self.stream_interval > 1,
+                             hold_tokens=True,
                              stop_token_ids=req.stop_token_ids,
                              min_tokens=req.sampling.min_tokens,
                              tool_parser=(new_parser(req.tool_format)
@@ -149,6 +155,8 @@ class Frontend:
         try:
             while True:
                 await state.wake.wait()
+                if state.deferred:  # updates fell due while the last one waited here
+                    self._flush(state)
                 state.wake.clear()
                 items, state.outbox = state.outbox, []
                 yield coalesce(items) if len(items) > 1 else items
@@ -258,7 +266,7 @@ class Frontend:
             if delta is None:  # held, to be decoded with the next update's tokens
                 state.pending_tokens += 1
                 if state.pending_tokens >= self.stream_interval:
-                    self._flush(state)
+                    self._flush_or_defer(state)
                 continue
             if delta.finish_reason is not None:
                 state.unfinished -= 1
@@ -292,17 +300,27 @@ class Frontend:
             state.pending.append(delta)
             state.pending_tokens += len(delta.token_ids)
         done = state.unfinished == 0
-        if done or delta.finish_reason is not None \
-                or state.pending_tokens >= self.stream_interval:
+        if done or delta.finish_reason is not None:
             self._flush(state)
+        elif state.pending_tokens >= self.stream_interval:
+            self._flush_or_defer(state)
         if done:
             usage = Usage(len(state.request.prompt_token_ids), state.completion_tokens,
                           max(0, state.cached_prompt_tokens))
             self._close(state, RequestDone(usage, state.timing()))
 
+    def _flush_or_defer(self, state: RequestState) -> None:
+        """An update is due: build it now if the stream has taken the last one, else leave
+        it to the stream's consumer (see the module's docstring)."""
+        if state.outbox:  # not taken yet: the consumer is awake or about to be
+            state.deferred = True
+        else:
+            self._flush(state)
+
     def _flush(self, state: RequestState) -> None:
         """Queue everything the request accumulated (pending deltas, then the tokens its
         choices hold, decoded now) as its stream's next update."""
+        state.deferred = False
         for choice in state.choices.values():
             if choice.holds and (held := choice.take_held()) is not None:
                 state.pending.append(held)
@@ -335,6 +353,8 @@ class Frontend:
     def _fail(self, state: RequestState, kind: FailureKind, message: str) -> None:
         if state.done:
             return
+        if state.deferred:  # the tokens that came before the failure still go out
+            self._flush(state)
         live = [seq for seq, choice in state.choices.items() if not choice.finished]
         for seq in live:
             state.choices[seq].abort()

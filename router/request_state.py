@@ -27,6 +27,7 @@ class RequestState:
     done: bool = False
     pending: list[ChoiceDelta] = field(default_factory=list)  # not yet queued (interval)
     pending_tokens: int = 0  # in `pending` and held by the choices
+    deferred: bool = False  # an update fell due while `outbox` was not taken: its taker builds it
     arrived: float = 0.0  # time.monotonic() at submit
     arrived_wall: float = 0.0  # time.time() at submit (the core's clock for `scheduled`)
     scheduled: float = 0.0  # time.time() its first prefill chunk was planned (0: unknown)
