@@ -34,23 +34,27 @@ from stagemesh.local_mesh import Mesh
 
 async def _client(address: str, prompts: list[list[int]], output_len: int,
                   start: Callable[[], None], own_connection: bool
-                  ) -> tuple[float, float, list[tuple[int, float, float]]]:
+                  ) -> tuple[float, float, list[tuple[int, float, float, list[float]]]]:
     """One client: warm up, wait for `start()`, then submit every prompt at once. Returns
-    (start time, end time, per request (tokens, TTFT, TPOT)); times are perf_counter
-    seconds, one clock for every process of the machine."""
+    (start time, end time, per request (tokens, TTFT, TPOT, gaps between its updates));
+    times are perf_counter seconds, one clock for every process of the machine."""
     async with RouterClient(address, own_connection=own_connection) as client:
         await client.complete(token_ids=prompts[0][:8], max_tokens=4, ignore_eos=True)  # warm
         start()
 
-        async def one(prompt: list[int]) -> tuple[int, float, float]:
+        async def one(prompt: list[int]) -> tuple[int, float, float, list[float]]:
             n, first, last = 0, 0.0, 0.0
+            gaps: list[float] = []
             async for chunk in client.generate(token_ids=prompt, max_tokens=output_len,
                                                ignore_eos=True, temperature=0.0, timeout=3600):
                 if chunk.token_ids:
-                    last = time.perf_counter()
+                    now = time.perf_counter()
+                    if last:
+                        gaps.append(now - last)
+                    last = now
                     first = first or last
                     n += len(chunk.token_ids)
-            return n, first - t0, (last - first) / max(1, n - 1)
+            return n, first - t0, (last - first) / max(1, n - 1), gaps
 
         t0 = time.perf_counter()
         outs = await asyncio.gather(*(one(p) for p in prompts))
@@ -68,7 +72,8 @@ def run(address: str, prompts: list[list[int]], output_len: int,
     on its own connection (so the router's front processes share them); output tok/s over
     the wall time from the first submission to the last token, and per request the time
     to its first token and the mean time per output token after it (TPOT), as the clients
-    see them (W2's per-token time is TPOT at one request)."""
+    see them (W2's per-token time is TPOT at one request), and the gaps between a
+    request's streamed updates (ITL) over all requests: median, p99 and the longest."""
     if clients == 1:
         t0, t1, outs = asyncio.run(_client(address, prompts, output_len, lambda: None, False))
         spans = [(t0, t1)]
@@ -86,16 +91,20 @@ def run(address: str, prompts: list[list[int]], output_len: int,
         spans = [(t0, t1) for t0, t1, _ in got]
         outs = [o for _, _, part in got for o in part]
     wall = max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)
-    out_tokens = sum(n for n, _, _ in outs)
+    out_tokens = sum(n for n, _, _, _ in outs)
     in_tokens = sum(len(p) for p in prompts)
-    ttft = [t for _, t, _ in outs]
-    tpot = [t for n, _, t in outs if n > 1]
+    ttft = [t for _, t, _, _ in outs]
+    tpot = [t for n, _, t, _ in outs if n > 1]
+    itl = sorted(g for _, _, _, gaps in outs for g in gaps) or [0.0]
     return {"wall_s": wall, "output_tok_s": out_tokens / wall,
             "total_tok_s": (out_tokens + in_tokens) / wall, "output_tokens": out_tokens,
             "ttft_ms_mean": 1e3 * statistics.fmean(ttft),
             "ttft_ms_p50": 1e3 * statistics.median(ttft),
             "tpot_ms_mean": 1e3 * statistics.fmean(tpot) if tpot else 0.0,
-            "tpot_ms_p50": 1e3 * statistics.median(tpot) if tpot else 0.0}
+            "tpot_ms_p50": 1e3 * statistics.median(tpot) if tpot else 0.0,
+            "itl_ms_p50": 1e3 * statistics.median(itl),
+            "itl_ms_p99": 1e3 * itl[min(len(itl) - 1, round(0.99 * (len(itl) - 1)))],
+            "itl_ms_max": 1e3 * itl[-1]}
 
 
 def main() -> None:
