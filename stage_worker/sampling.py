@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from foundation.sampling_params import SamplingParams
+from kernels.argmax import argmax_rows
 from stage_worker.host_transfer import to_device
 from stage_worker.structured import apply_masks
 
@@ -281,10 +282,12 @@ class Sampler:
         """logits [S, V], any float dtype, on the batch's device; not modified."""
         if logits.dim() != 2 or logits.shape[0] != batch.num_seqs:
             raise ValueError(f"logits must be [{batch.num_seqs}, V], got {list(logits.shape)}")
-        logits = logits.float()  # compute in float32 whatever the model's dtype
         if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None \
                 and batch.adjust is None and batch.allowed is None:
-            return _output(logits.argmax(dim=-1), None, 0)  # fast path: nothing else to do
+            # Fast path, nothing else to do: the argmax of the logits as they come (widening
+            # to float32 is exact and keeps the order).
+            return _output(argmax_rows(logits.contiguous()), None, 0)
+        logits = logits.float()  # compute in float32 whatever the model's dtype
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)  # [S, V]
@@ -296,7 +299,7 @@ class Sampler:
         if batch.allowed is not None:
             logits = apply_masks(logits, *batch.allowed)
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax_rows(logits)
         else:
             token_ids = _sample_random(logits, batch)
             if batch.any_greedy:
