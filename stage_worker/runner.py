@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from foundation.model_config import ModelConfig
+from kernels.argmax import argmax_rows
 from kernels.attention_launch import PREFILL_LAUNCH
 from kernels.fp8_format import FP8
 from kernels.paged_attention import uses_triton_kernel
@@ -184,7 +185,8 @@ class StageRunner(ModelRunner):
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Run the eager step shapes once, so every kernel variant a step can launch is
+        """Run the eager step shapes once (and, on the last stage, the greedy sampler's argmax
+        on their logits), so every kernel variant a step can launch is
         compiled (or loaded from Triton's cache) before the first request: a variant first
         met while serving stalls that step for the compile, half a second a kernel. The
         steps write garbage into KV blocks no sequence owns yet; their table rows are
@@ -201,7 +203,9 @@ class StageRunner(ModelRunner):
                 tokens = sum(c.num_new for c in chunks)
                 dummy = (torch.zeros(tokens, dtype=torch.long) if self.is_first else
                          torch.zeros(tokens, self.model_cfg.hidden_size, dtype=self.cfg.dtype))
-                self.execute(chunks, dummy)
+                out = self.execute(chunks, dummy)
+                if self.is_last:  # the greedy sampler's kernel, on the logits it will get
+                    argmax_rows(out)
             torch.cuda.synchronize(self.cfg.device)
         finally:
             self.tables.clear()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from foundation.model_config import ModelConfig
+from kernels.argmax import argmax_rows
 from kernels.attention_launch import PREFILL_LAUNCH, choose_launch
 from stage_worker.partition import LayerRange
 from stage_worker.runner import StageRunner, StageRunnerConfig, warm_up_chunks
@@ -59,10 +60,11 @@ def test_warm_up_leaves_out_what_the_pool_cannot_hold() -> None:
 @pytest.mark.parametrize("model", ["llama_head_dim_32", "llama_gqa_untied"])
 def test_nothing_compiles_while_serving_after_warm_up(model: str, graphs: bool, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sixty random mixed, prefill and decode steps after start-up: no Triton kernel is
-    compiled (each would stall its step for about half a second). Head dim 32 runs the
-    Triton attention; head dim 8 the torch one beside the other Triton kernels. (Kernels
-    compiled by earlier tests of the process count as warm: run it alone to be sure.)"""
+    """Sixty random mixed, prefill and decode steps after start-up, each with the greedy
+    sampler's argmax over its logits: no Triton kernel is compiled (each would stall its
+    step for about half a second). Head dim 32 runs the Triton attention; head dim 8 the
+    torch one beside the other Triton kernels. (Kernels compiled by earlier tests of the
+    process count as warm: run it alone to be sure.)"""
     import triton.runtime.jit as jit
 
     write_tiny_checkpoint(model, tmp_path)
@@ -92,5 +94,6 @@ def test_nothing_compiles_while_serving_after_warm_up(model: str, graphs: bool, 
         tokens = sum(c.num_new for c in chunks)
         out = runner.execute(chunks, torch.randint(0, cfg.vocab_size, (tokens,)))
         assert torch.isfinite(out).all()
+        argmax_rows(out)  # the greedy sampler's pick
     torch.cuda.synchronize()
     assert compiled == []
