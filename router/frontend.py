@@ -8,8 +8,8 @@ core (`FinishSeqs`); a stream whose consumer went away aborts its request once. 
 the core decides (admission, stop tokens, max_tokens, the context limit, failures) arrives
 as messages; nothing here waits on a step.
 
-An update falls due while the stream's consumer has not taken the previous one yet (its
-client reads slower than tokens come): it is not built then. The tokens stay held by their
+An update that falls due while the stream's consumer has not taken the previous one yet (its
+client reads slower than tokens come) is not built then. The tokens stay held by their
 choices (undecoded, where no stop string needs their text) and the consumer builds one
 update from all of them when it wakes, so a lagging stream costs one decode and one delta per
 message it sends, not per token. A finish is always built at once.
