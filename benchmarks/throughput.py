@@ -28,6 +28,7 @@ from benchmarks.report import (
     stage_figures,
     write_json,
 )
+from benchmarks.serving_metrics import stats
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
@@ -73,7 +74,8 @@ def run(address: str, prompts: list[list[int]], output_len: int,
     the wall time from the first submission to the last token, and per request the time
     to its first token and the mean time per output token after it (TPOT), as the clients
     see them (W2's per-token time is TPOT at one request), and the gaps between a
-    request's streamed updates (ITL) over all requests: median, p99 and the longest."""
+    request's streamed updates (ITL) over all requests: median, p99 (linear interpolation,
+    `serving_metrics.stats`) and the longest."""
     if clients == 1:
         t0, t1, outs = asyncio.run(_client(address, prompts, output_len, lambda: None, False))
         spans = [(t0, t1)]
@@ -95,16 +97,16 @@ def run(address: str, prompts: list[list[int]], output_len: int,
     in_tokens = sum(len(p) for p in prompts)
     ttft = [t for _, t, _, _ in outs]
     tpot = [t for n, _, t, _ in outs if n > 1]
-    itl = sorted(g for _, _, _, gaps in outs for g in gaps) or [0.0]
+    all_gaps = [g for _, _, _, gaps in outs for g in gaps]
+    itl = stats(all_gaps)
     return {"wall_s": wall, "output_tok_s": out_tokens / wall,
             "total_tok_s": (out_tokens + in_tokens) / wall, "output_tokens": out_tokens,
             "ttft_ms_mean": 1e3 * statistics.fmean(ttft),
             "ttft_ms_p50": 1e3 * statistics.median(ttft),
             "tpot_ms_mean": 1e3 * statistics.fmean(tpot) if tpot else 0.0,
             "tpot_ms_p50": 1e3 * statistics.median(tpot) if tpot else 0.0,
-            "itl_ms_p50": 1e3 * statistics.median(itl),
-            "itl_ms_p99": 1e3 * itl[min(len(itl) - 1, round(0.99 * (len(itl) - 1)))],
-            "itl_ms_max": 1e3 * itl[-1]}
+            "itl_ms_p50": 1e3 * itl["p50"], "itl_ms_p99": 1e3 * itl["p99"],
+            "itl_ms_max": 1e3 * max(all_gaps, default=float("nan"))}
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ def _argmax_partial_kernel(X, VALS, IDX, stride_x, n_cols, chunk, n_chunks,
     lo = c * chunk
     hi = tl.minimum(lo + chunk, n_cols)
     best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], -1, tl.int64)
+    best_i = lo.to(tl.int64)  # an all -inf range: its first index, as torch's argmax
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < hi
@@ -36,7 +36,7 @@ def _argmax_partial_kernel(X, VALS, IDX, stride_x, n_cols, chunk, n_chunks,
         x = tl.where(x != x, float("inf"), x)  # NaN as +inf
         m = tl.max(x, axis=0)
         i = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
-        take = (m > best) | (best_i < 0)  # the first tile always counts (an all -inf range)
+        take = m > best
         best = tl.where(take, m, best)
         best_i = tl.where(take, i, best_i)
     tl.store(VALS + row * n_chunks + c, best)
@@ -49,11 +49,9 @@ def _argmax_final_kernel(VALS, IDX, OUT, n_chunks, BLOCK_C: tl.constexpr):
     cs = tl.arange(0, BLOCK_C)
     ok = cs < n_chunks
     vals = tl.load(VALS + row * n_chunks + cs, mask=ok, other=float("-inf"))
-    idx = tl.load(IDX + row * n_chunks + cs, mask=ok, other=-1)
-    # Empty chunks (past a short row) hold index -1: never chosen over a real one.
-    vals = tl.where(idx < 0, float("-inf"), vals)
     m = tl.max(vals, axis=0)
-    first = tl.min(tl.where((vals == m) & (idx >= 0), cs, BLOCK_C), axis=0)
+    # The first chunk holding the maximum: the padding lanes lie past every real chunk.
+    first = tl.min(tl.where(vals == m, cs, BLOCK_C), axis=0)
     tl.store(OUT + row, tl.load(IDX + row * n_chunks + first))
 
 

@@ -304,7 +304,7 @@ class Sampler:
             token_ids = _sample_random(logits, batch)
             if batch.any_greedy:
                 assert batch.greedy is not None  # built for every batch that draws
-                token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.greedy, argmax_rows(logits), token_ids)
         return _output(token_ids, raw_logprobs, batch.max_num_logprobs or 0)
 
 
