@@ -6,6 +6,11 @@ the same run. Beside it, each part's CPU per step over the same window (from /pr
 router's front 0, its engine core, each stage, and this process as the client), which
 varies far less between runs on a shared machine than steps/s does.
 
+The stages keep a micro-batch each in flight (`--micro-batches`, default one per stage, as W6
+has run since it was defined), although serve's own default on one machine's cores is one
+between them: W6 measures the pipeline's control plane with every stage busy. Give 0 for
+serve's default.
+
     python -m benchmarks.control_plane --stages 1,2 --out benchmarks/results/w6.json
 """
 
@@ -86,6 +91,9 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=5.0)
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="router's tokens per streamed update")
+    ap.add_argument("--micro-batches", type=int, default=-1,
+                    help="serve's --micro-batches (default -1: one per stage; 0: serve's own "
+                         "default, one between stages that share this machine's cores)")
     ap.add_argument("--extra", default="", help="more `stagemesh serve` flags")
     ap.add_argument("--no-metrics", action="store_true",
                     help="serve without the router's and stages' Prometheus endpoints")
@@ -96,6 +104,7 @@ def main() -> None:
                               "compute": "null model (no model work)", "transport": "tcp",
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
                               "metrics": not args.no_metrics, "extra": args.extra,
+                              "micro_batches": args.micro_batches,
                               "revision": git_revision()}
     print(config)
     rows = []
@@ -103,6 +112,7 @@ def main() -> None:
         with Mesh("--model", args.model, "--stages", str(p), "--model-impl", "null",
                   "--max-num-seqs", str(args.seqs), "--num-blocks", str(NUM_BLOCKS),
                   "--stream-interval", str(args.stream_interval),
+                  "--micro-batches", str(p if args.micro_batches < 0 else args.micro_batches),
                   *(["--no-metrics"] if args.no_metrics else []), *args.extra.split()) as mesh:
             cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
             result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -332,10 +333,26 @@ def host_id() -> str:
 
 @functools.cache
 def device_id(device: str) -> str:
-    """The physical GPU behind `device` ("cuda:0"), as Describe reports it: the card's UUID,
-    the same in every process whatever CUDA_VISIBLE_DEVICES renumbers; "" for a CPU stage
-    (each CPU stage counts as its own device)."""
+    """What `device` computes on, as Describe reports it (stages that report the same id take
+    turns on it):
+    - "cuda:N": the card's UUID, "GPU-...", the same in every process whatever
+      CUDA_VISIBLE_DEVICES renumbers;
+    - "cpu": the cores this process may run on, "cpu/<host_id>/<cpus>" (cpus as ranges, "0-3,8").
+      Two CPU stages of one host with the same cores share them (torch's threads take every
+      core the process may use), as two stages share one GPU; pinned to different cores
+      (taskset, a cpuset), or on different hosts, they are different devices."""
     dev = torch.device(device)
     if dev.type != "cuda":
-        return ""
+        return f"cpu/{host_id()}/{cpu_ranges(os.sched_getaffinity(0))}"
     return f"GPU-{torch.cuda.get_device_properties(dev).uuid}"
+
+
+def cpu_ranges(cpus: Iterable[int]) -> str:
+    """CPU numbers as sorted ranges: {0, 1, 2, 5} -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -83,8 +83,8 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=0, metavar="N",
                    help="steps kept in flight through the pipeline over disjoint sequences, "
                         "at most one per stage (default 0: one per device the stages compute "
-                        "on; stages that share one GPU take turns on it and get one between "
-                        "them)")
+                        "on; stages that share one GPU, or one host's CPU cores, take turns "
+                        "on it and get one between them)")
     p.add_argument("--trace-step-interval", type=int, default=64, metavar="N",
                    help="with tracing on, every N-th step that computes a traced request's "
                         "sequence is recorded by each stage as a span of that request's trace "

@@ -20,8 +20,9 @@ class StageInfo:
         that reports none offers "tcp".
     host_id: which machine it runs on (host name and boot id): two stages with the same
         non-empty host_id share a host; "" = not reported (an older stage).
-    device_id: the GPU it computes on (the card's UUID): two stages with the same non-empty
-        device_id take turns on one GPU; "" = a CPU stage, or not reported.
+    device_id: what it computes on (a GPU's UUID, or a host's set of CPU cores): two stages
+        with the same non-empty device_id take turns on it; "" = not reported (an older
+        stage), counted as a device of its own.
     """
 
     stage_index: int
@@ -56,7 +57,8 @@ class PipelineShape:
     limiting_stage: for each capacity field, the index of a stage that set the minimum (to
     name it in errors).
     num_devices: the devices the stages compute on, which can work at once: stages that
-    report one GPU (the same device_id) count once; a CPU stage counts alone.
+    report one device (the same device_id: one GPU, or one host's cores) count once; a stage
+    that reports none counts alone.
     """
 
     num_stages: int

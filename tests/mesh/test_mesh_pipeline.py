@@ -18,8 +18,10 @@ pytestmark = pytest.mark.slow
 
 # 3x1 also runs with a 32-token step budget: the ~37-token chat prompts are prefilled in
 # chunks, interleaved with other sequences' decodes across the 3 micro-batches.
-@pytest.fixture(scope="module", params=[("--stages", "2", "--tp", "2"),
-                                        ("--stages", "3", "--tp", "1",
+# The stages share this machine's cores, so serve's default would keep one micro-batch in
+# flight; both meshes ask for one per stage.
+@pytest.fixture(scope="module", params=[("--stages", "2", "--tp", "2", "--micro-batches", "2"),
+                                        ("--stages", "3", "--tp", "1", "--micro-batches", "3",
                                          "--max-num-batched-tokens", "32", "--max-num-seqs", "8")],
                 ids=["2x2", "3x1-chunked"])
 def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:

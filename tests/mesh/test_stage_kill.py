@@ -73,8 +73,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkill_of_any_stage_of_three_loses_no_stream() -> None:
+    # A micro-batch per stage (serve's default on one machine's cores is one): a step of
+    # each in flight when the stage dies.
     with Mesh("--model", str(default_model_dir()), "--stages", "3", "--num-blocks", "256",
-              "--recovery-budget", "120", "--step-timeout", "10", timeout=300) as mesh:
+              "--micro-batches", "3", "--recovery-budget", "120", "--step-timeout", "10",
+              timeout=300) as mesh:
         want = asyncio.run(_streams(mesh.address))
         assert len(set(want)) > 1  # the prompts give different texts
         stub = mesh.stub()
@@ -91,8 +94,8 @@ def test_sigkill_of_any_stage_of_three_loses_no_stream() -> None:
 
 def test_sigkill_of_a_tp_rank_takes_its_stage_down_at_once_and_loses_no_stream() -> None:
     with Mesh("--model", str(default_model_dir()), "--stages", "2", "--tp", "2",
-              "--num-blocks", "256", "--recovery-budget", "120", "--step-timeout", "10",
-              timeout=300) as mesh:
+              "--micro-batches", "2", "--num-blocks", "256", "--recovery-budget", "120",
+              "--step-timeout", "10", timeout=300) as mesh:
         want = asyncio.run(_streams(mesh.address))
         stub = mesh.stub()
         leader = mesh.pid("stage 1")

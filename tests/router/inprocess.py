@@ -43,7 +43,12 @@ class InProcessMesh:
 async def in_process_mesh(stages: list[StageConfig], **router: Any
                           ) -> AsyncIterator[InProcessMesh]:
     """The stages, then a router over them (RouterConfig fields in `router`); everything is
-    stopped on exit, the router first (it drains)."""
+    stopped on exit, the router first (it drains).
+
+    The stages share this process's cores, so the router's default would keep one
+    micro-batch between them; unless a test gives `micro_batches`, it gets one per stage, as
+    stages on their own devices run (the path with several steps in flight is the one to
+    cover)."""
     async with AsyncExitStack() as stack:
         started = []
         for cfg in stages:
@@ -54,7 +59,7 @@ async def in_process_mesh(stages: list[StageConfig], **router: Any
         cfg = RouterConfig(model_dir=model_dir, model_name=model_dir.name,
                            stage_addresses=tuple(s.address for s in started), port=0,
                            **{"drain_timeout_s": 2.0, "startup_budget_s": 20.0,
-                              "engine_core": "task", **router})
+                              "engine_core": "task", "micro_batches": len(stages), **router})
         app = RouterApp(cfg)
         address = await app.start()
         stack.push_async_callback(app.drain_and_stop)

@@ -140,7 +140,21 @@ def test_capacity_is_the_minimum_over_stages(model_dir: Path) -> None:
             assert info.context_length == min(300 * 16, 8192)  # the pool caps the context
             assert (info.num_stages, info.block_size) == (2, 16)
             assert list(info.hop_transports) == ["tcp"]
-            assert info.micro_batches == 2  # CPU stages: each its own device
+            assert info.micro_batches == 2  # the helper's: one per stage
+
+    asyncio.run(run())
+
+
+def test_cpu_stages_that_share_cores_keep_one_micro_batch(model_dir: Path) -> None:
+    """Stages in one process compute on the same cores: the router's default (micro_batches
+    0, one per device) keeps one step in flight between them, as for stages on one GPU."""
+    async def run() -> None:
+        async with in_process_mesh(null_stages(model_dir, 2), micro_batches=0) as mesh, \
+                mesh.client() as client:
+            assert (await client.model_info()).micro_batches == 1
+            out = await client.complete(prompt="hello", max_tokens=4, ignore_eos=True)
+            assert len(out.token_ids[0]) == 4
+            await wait_idle(client, mesh.stage_sequences)
 
     asyncio.run(run())
 
@@ -237,11 +251,12 @@ def test_servicer_errors_and_tokenize(model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("micro_batches", [0, 1], ids=["one-per-stage", "one"])
+@pytest.mark.parametrize("micro_batches", [2, 1], ids=["one-per-stage", "one"])
 def test_default_model_two_stages_match_hf_greedy(model_dir: Path, micro_batches: int) -> None:
     """The real model split in two in-process stages gives HF transformers' greedy tokens,
-    with a micro-batch per stage (CPU stages) and with one between them (as stages that share
-    a GPU run: each step's tokens fed back to stage 0 for the very next step)."""
+    with a micro-batch per stage (stages on their own devices) and with one between them (as
+    stages that share a GPU or a host's cores run: each step's tokens fed back to stage 0 for
+    the very next step)."""
     from tests.default_model import MAX_NEW, chat_prompts, hf_greedy
 
     prompts, want = chat_prompts()[:2], hf_greedy()[:2]
@@ -250,7 +265,7 @@ def test_default_model_two_stages_match_hf_greedy(model_dir: Path, micro_batches
     async def run() -> None:
         async with in_process_mesh(configs, micro_batches=micro_batches) as mesh, \
                 mesh.client() as client:
-            assert (await client.model_info()).micro_batches == (micro_batches or 2)
+            assert (await client.model_info()).micro_batches == micro_batches
             outs = await asyncio.gather(*(
                 client.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0)
                 for p in prompts))

@@ -145,10 +145,12 @@ def test_describe_maps_transports_and_host_and_an_old_stage_offers_tcp() -> None
     (("GPU-a", "GPU-a", "GPU-a"), 1),  # three stages take turns on one GPU
     (("GPU-a", "GPU-b", "GPU-a"), 2),
     (("GPU-a", "GPU-b", "GPU-c"), 3),
-    (("", "", ""), 3),  # CPU stages (or none reported): each its own
+    (("", "", ""), 3),  # none reported (older stages): each its own
     (("GPU-a", "", "GPU-a"), 2),
+    (("cpu/h/0-1", "cpu/h/0-1", "cpu/h/0-1"), 1),  # three stages on one host's cores
+    (("cpu/h/0", "cpu/h/1", "cpu/g/0"), 3),  # pinned to other cores, or on another host
 ])
-def test_stages_that_report_one_gpu_count_as_one_device(device_ids: tuple[str, ...],
+def test_stages_that_report_one_device_count_once(device_ids: tuple[str, ...],
                                                         devices: int) -> None:
     infos = [replace(_info(i, num_stages=3), device_id=d) for i, d in enumerate(device_ids)]
     assert check_shape(infos).num_devices == devices
