@@ -22,11 +22,11 @@ class ChoiceState:
     context: LENGTH). A stop string is found here, on the text: it ends the choice with STOP
     and is cut from the text (unless asked to include it); the front then tells the core.
 
-    `hold_tokens`: with no stop strings, nothing about a token but its text needs it at once,
-    so `on_token` only holds the ids (returns None) and `take_held` detokenizes them in one
-    decode when the stream is due an update (`stream_interval` tokens); a finish includes
-    what is held. With stop strings every token is decoded as it comes, so the choice ends
-    at the token that completes one.
+    With no stop strings, nothing about a token but its text needs it at once, so `on_token`
+    only holds the ids (returns None) and `take_held` detokenizes them in one decode when the
+    stream is due an update (`stream_interval` tokens, or when a lagging stream's handler
+    wakes); a finish includes what is held. With stop strings every token is decoded as it
+    comes, so the choice ends at the token that completes one.
 
     `tool_parser`: the choice's text goes through it last (after stop strings): the text of
     tool calls leaves `text` and comes back as `ChoiceDelta.tool_calls` pieces, and a choice
@@ -36,7 +36,7 @@ class ChoiceState:
     def __init__(self, index: int, seq_id: int, tokenizer: Tokenizer,
                  prompt_token_ids: tuple[int, ...], stop: tuple[str, ...],
                  include_stop_str: bool, skip_special_tokens: bool,
-                 hold_tokens: bool = False, stop_token_ids: tuple[int, ...] = (),
+                 stop_token_ids: tuple[int, ...] = (),
                  min_tokens: int = 0, tool_parser: ToolCallParser | None = None) -> None:
         """`stop_token_ids`: the request's own (not EOS), to name one in `stop_reason`;
         `min_tokens`: no stop string is looked for before this many tokens (vLLM's)."""
@@ -49,7 +49,7 @@ class ChoiceState:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = StopChecker(stop, include_stop_str)
         self.finish_reason: FinishReason | None = None
-        self.holds = hold_tokens and not stop
+        self.holds = not stop
         self._held: list[int] = []
         self._held_logprobs: list[TokenLogprob] = []
 

@@ -135,7 +135,6 @@ class Frontend:
         state = RequestState(req, {
             seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
                              req.include_stop_str_in_output, req.skip_special_tokens,
-                             hold_tokens=True,
                              stop_token_ids=req.stop_token_ids,
                              min_tokens=req.sampling.min_tokens,
                              tool_parser=(new_parser(req.tool_format)

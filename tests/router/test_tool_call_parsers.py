@@ -116,11 +116,13 @@ def test_auto_picks_the_format_from_the_chat_template() -> None:
     assert resolve_format("none", "<tool_call>") is None
 
 
-@pytest.mark.parametrize("hold", [False, True])
-def test_a_choice_turns_its_tokens_into_content_and_call_pieces(hold: bool) -> None:
-    """ChoiceState with a parser, fed the default model's tokens one at a time (held and
-    decoded in batches with `hold`, as with --stream-interval > 1): the text of the calls
-    leaves the content, each call comes as its two pieces, and the finish says tool_calls."""
+# A stop string makes the choice decode each token as it comes; with none it holds them and
+# decodes them in batches (here every 5 tokens, as at --stream-interval 5).
+@pytest.mark.parametrize("stop", [("\x00",), ()], ids=["decoded-per-token", "held"])
+def test_a_choice_turns_its_tokens_into_content_and_call_pieces(stop: tuple[str, ...]) -> None:
+    """ChoiceState with a parser, fed the default model's tokens one at a time: the text of
+    the calls leaves the content, each call comes as its two pieces, and the finish says
+    tool_calls."""
     from foundation.tokenizer import ModelTokenizer
     from router.choice import ChoiceState
     from router.outputs import ChoiceDelta, coalesce
@@ -131,8 +133,9 @@ def test_a_choice_turns_its_tokens_into_content_and_call_pieces(hold: bool) -> N
     text = f'Checking.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{{"name": "now"}}' \
            '\n</tool_call>'
     ids = [*tok.encode(text, False), tok.special.eos_ids[0]]  # EOS: STOP, no text
-    choice = ChoiceState(0, 1, tok.tokenizer, (1,), (), False, True, hold_tokens=hold,
+    choice = ChoiceState(0, 1, tok.tokenizer, (1,), stop, False, True,
                          tool_parser=new_parser(H))
+    assert choice.holds == (not stop)
     deltas: list[ChoiceDelta] = []
     for k, token in enumerate(ids):
         last = k == len(ids) - 1
