@@ -25,6 +25,7 @@ from router.core.config import CoreConfig
 from router.main import core_config
 from router.pipeline import Pipeline, PipelineError, StageInfo
 from router.pipeline.convert import connect_request, info_from_describe, listen_request
+from router.pipeline.driver import START_RETRY_S
 from router.pipeline.shape import check_shape
 from router.pipeline.transports import choose_transport, describe_hops
 from stagemesh.cli import build_parser
@@ -252,6 +253,12 @@ def _describe(index: int, num_stages: int, host_id: str = HOST_A,
         transports=list(transports), host_id=host_id)
 
 
+# A start budget of one retry interval makes one attempt (its error raised, no retry), whose
+# calls to the stages still have up to that long to answer on a loaded machine (a budget of
+# 0 gave them 50 ms, which a Describe over a fresh channel can miss).
+ONE_ATTEMPT_S = START_RETRY_S
+
+
 def _run(stages: list[FakeStage], transport: str, budget_s: float = 5.0) -> list[str]:
     """Start a Pipeline asking for `transport` over `stages` (each a real server on
     127.0.0.1); its hop_transports once up. Raises what start() raises."""
@@ -300,7 +307,7 @@ def test_auto_links_over_nccl_across_hosts_and_falls_back_to_tcp_when_it_fails(
     with pytest.raises(PipelineError, match="UNAVAILABLE"):  # forced: no fallback
         _run([FakeStage(_describe(0, 2, HOST_A, ALL_ENUMS),
                         {CONNECT_NCCL: grpc.StatusCode.UNAVAILABLE}),
-              FakeStage(_describe(1, 2, HOST_B, ALL_ENUMS))], "nccl", budget_s=0)
+              FakeStage(_describe(1, 2, HOST_B, ALL_ENUMS))], "nccl", budget_s=ONE_ATTEMPT_S)
 
 
 def test_auto_links_over_cuda_ipc_where_both_offer_it_and_feedback_over_tcp(
@@ -343,9 +350,9 @@ def test_no_fallback_when_cuda_ipc_is_forced_or_the_refusal_is_another_kind() ->
         return [FakeStage(_describe(0, 2), {CONNECT_CUDA: code}), FakeStage(_describe(1, 2))]
 
     with pytest.raises(PipelineError, match="FAILED_PRECONDITION: the two processes"):
-        _run(refusing(grpc.StatusCode.FAILED_PRECONDITION), "cuda_ipc", budget_s=0)
+        _run(refusing(grpc.StatusCode.FAILED_PRECONDITION), "cuda_ipc", budget_s=ONE_ATTEMPT_S)
     with pytest.raises(PipelineError, match="PERMISSION_DENIED: the two processes"):
-        _run(refusing(grpc.StatusCode.PERMISSION_DENIED), "auto", budget_s=0)
+        _run(refusing(grpc.StatusCode.PERMISSION_DENIED), "auto", budget_s=ONE_ATTEMPT_S)
 
 
 def test_forced_cuda_ipc_across_hosts_never_comes_up_and_forced_tcp_never_asks() -> None:
@@ -353,7 +360,7 @@ def test_forced_cuda_ipc_across_hosts_never_comes_up_and_forced_tcp_never_asks()
     with pytest.raises(PipelineError, match=re.escape(
             "the hop from stage 0 to stage 1 cannot use cuda_ipc: they run on different "
             "hosts")):
-        _run(stages, "cuda_ipc", budget_s=0)
+        _run(stages, "cuda_ipc", budget_s=ONE_ATTEMPT_S)
     assert stages[0].asked == stages[1].asked == []  # refused before any link was asked for
     stages = [FakeStage(_describe(i, 2)) for i in range(2)]
     assert _run(stages, "tcp") == ["tcp"]
