@@ -82,6 +82,12 @@ async def measure(address: str, seqs: int, window_s: float,
             "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us}
 
 
+def micro_batches(asked: int, stages: int) -> int:
+    """serve's --micro-batches for a mesh of `stages`: -1 one per stage, else `asked` (0:
+    serve's default) but never more than the stages."""
+    return stages if asked < 0 else min(asked, stages)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--stages", default="1,2")
@@ -112,11 +118,12 @@ def main() -> None:
         with Mesh("--model", args.model, "--stages", str(p), "--model-impl", "null",
                   "--max-num-seqs", str(args.seqs), "--num-blocks", str(NUM_BLOCKS),
                   "--stream-interval", str(args.stream_interval),
-                  "--micro-batches", str(p if args.micro_batches < 0 else args.micro_batches),
+                  "--micro-batches", str(micro_batches(args.micro_batches, p)),
                   *(["--no-metrics"] if args.no_metrics else []), *args.extra.split()) as mesh:
             cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
             result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu))
-        rows.append({"stages": p, **result})
+        rows.append({"stages": p, "micro_batches": micro_batches(args.micro_batches, p),
+                     **result})
         print(rows[-1], flush=True)
     base = rows[0]["steps_per_s"]
     for r in rows:

@@ -44,9 +44,9 @@ class RouterConfig:
             has ready together in one message per stage.
         micro_batches: steps kept in flight through the pipeline, over disjoint sets of
             sequences (pipeline micro-batches), at most one per stage; 0 = one per device
-            the stages compute on: one per stage, but stages that share a GPU take turns on
-            it, so they get one between them (two micro-batches there would read the
-            weights twice per token for no overlap).
+            the stages compute on: one per stage, but stages that share a GPU, or one host's
+            CPU cores, take turns on it, so they get one between them (two micro-batches
+            there would read the weights twice per token for no overlap).
         api_processes: processes serving the public API on host:port, each a front of the
             one engine core: the router's own and api_processes - 1 front processes
             (`router.front_process`), all bound with SO_REUSEPORT so the kernel spreads

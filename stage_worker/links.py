@@ -340,7 +340,9 @@ def device_id(device: str) -> str:
     - "cpu": the cores this process may run on, "cpu/<host_id>/<cpus>" (cpus as ranges, "0-3,8").
       Two CPU stages of one host with the same cores share them (torch's threads take every
       core the process may use), as two stages share one GPU; pinned to different cores
-      (taskset, a cpuset), or on different hosts, they are different devices."""
+      (taskset, a cpuset), or on different hosts, they are different devices. The cores are
+      the calling thread's mask, read once: a process that binds its threads to single
+      cores (OMP_PROC_BIND and the like) before its first Describe reports one core."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return f"cpu/{host_id()}/{cpu_ranges(os.sched_getaffinity(0))}"

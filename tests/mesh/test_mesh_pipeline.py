@@ -18,9 +18,10 @@ pytestmark = pytest.mark.slow
 
 # 3x1 also runs with a 32-token step budget: the ~37-token chat prompts are prefilled in
 # chunks, interleaved with other sequences' decodes across the 3 micro-batches.
-# The stages share this machine's cores, so serve's default would keep one micro-batch in
-# flight; both meshes ask for one per stage.
-@pytest.fixture(scope="module", params=[("--stages", "2", "--tp", "2", "--micro-batches", "2"),
+# The stages share this machine's cores: 2x2 runs serve's default, one micro-batch between
+# them (stage 0 takes each step's inputs from the step just before); 3x1 asks for one per
+# stage, three steps in flight.
+@pytest.fixture(scope="module", params=[("--stages", "2", "--tp", "2"),
                                         ("--stages", "3", "--tp", "1", "--micro-batches", "3",
                                          "--max-num-batched-tokens", "32", "--max-num-seqs", "8")],
                 ids=["2x2", "3x1-chunked"])
@@ -31,6 +32,18 @@ def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
 
 def _messages(q: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": q}]
+
+
+def test_micro_batches(mesh: Mesh) -> None:
+    """Separate stage processes of one machine report one device: serve's default keeps
+    one micro-batch between them; --micro-batches sets it."""
+    async def run() -> tuple[int, int]:
+        async with RouterClient(mesh.address) as client:
+            info = await client.model_info()
+        return info.num_stages, info.micro_batches
+
+    stages, micro_batches = asyncio.run(run())
+    assert micro_batches == (1 if stages == 2 else 3)
 
 
 def test_greedy_tokens_equal_hf_transformers(mesh: Mesh) -> None:

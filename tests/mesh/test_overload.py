@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_ten_times_the_sustainable_load_is_refused_cleanly_and_the_mesh_recovers() -> None:
-    # The sustainable rate of 2 closed-loop clients and a running batch of 32 per stage keep
+    # The sustainable rate of 2 closed-loop clients and a running batch of 32 keep
     # 10x it (a few hundred requests a second) within what one front's event loop accepts:
     # far past that, gRPC itself drops calls before the router sees them (docs/BENCHMARKS.md,
     # "Overload and soak").

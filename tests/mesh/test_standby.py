@@ -48,7 +48,8 @@ def mesh() -> Iterator[dict[str, Proc | str]]:
                             "--stages", f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
                             "--standby-stages", f"127.0.0.1:{ports[2]}",
                             "--standby-grace", "2", "--recovery-budget", "120",
-                            "--step-timeout", "10", "--max-num-seqs", "32"])
+                            "--step-timeout", "10", "--max-num-seqs", "32",
+                            "--micro-batches", "2"])  # a step of each stage in flight
     address = f"127.0.0.1:{ports[3]}"
     try:
         wait_status(address, SERVING, 240)
