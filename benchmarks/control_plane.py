@@ -115,15 +115,15 @@ def main() -> None:
     print(config)
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
+        mb = micro_batches(args.micro_batches, p)
         with Mesh("--model", args.model, "--stages", str(p), "--model-impl", "null",
                   "--max-num-seqs", str(args.seqs), "--num-blocks", str(NUM_BLOCKS),
                   "--stream-interval", str(args.stream_interval),
-                  "--micro-batches", str(micro_batches(args.micro_batches, p)),
+                  "--micro-batches", str(mb),
                   *(["--no-metrics"] if args.no_metrics else []), *args.extra.split()) as mesh:
             cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
             result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu))
-        rows.append({"stages": p, "micro_batches": micro_batches(args.micro_batches, p),
-                     **result})
+        rows.append({"stages": p, "micro_batches": mb, **result})
         print(rows[-1], flush=True)
     base = rows[0]["steps_per_s"]
     for r in rows:
