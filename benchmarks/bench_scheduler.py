@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import git_revision, print_table, write_json
+from benchmarks.report import git_revision, print_table, python_ns_per_op, write_json
 from kvcache import KVCacheConfig
 from router.scheduler import Scheduler, SchedulerConfig, StepPlan
 
@@ -126,7 +126,8 @@ def main() -> None:
               "python": platform.python_version(), "machine": platform.machine(),
               "processor": platform.processor() or platform.machine(),
               "repeats": args.repeats, "target_us_per_step": TARGET_US,
-              "load_average_1min": round(os.getloadavg()[0], 2), "revision": git_revision()}
+              "load_average_1min": round(os.getloadavg()[0], 2), "revision": git_revision(),
+              "python_ns_per_op": round(python_ns_per_op(), 1)}
     print("scheduler benchmark:", ", ".join(f"{k}={v}" for k, v in config.items()))
     rows = [
         min((run_case(args.seqs, args.steps, p, ra, args.prompt_len, args.block_size)

@@ -4,7 +4,9 @@ activations per hop) and streaming tokens to clients. 64 sequences decode; steps
 from the router's step counter over a window of steady decoding, for 1 and 2 stages in
 the same run. Beside it, each part's CPU per step over the same window (from /proc: the
 router's front 0, its engine core, each stage, and this process as the client), which
-varies far less between runs on a shared machine than steps/s does.
+varies far less between runs on a shared machine than steps/s does, and, before and after
+the run, the machine's Python speed (`report.python_ns_per_op`): W6 is bound by Python on
+the CPU, so runs on other machines, or other hours of a shared VM, compare only beside it.
 
 The stages keep a micro-batch each in flight (`--micro-batches`, default one per stage, as W6
 has run since it was defined), although serve's own default on one machine's cores is one
@@ -25,7 +27,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import git_revision, print_table, process_cpu, write_json
+from benchmarks.report import (
+    git_revision,
+    print_table,
+    process_cpu,
+    python_ns_per_op,
+    write_json,
+)
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
@@ -111,7 +119,8 @@ def main() -> None:
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
                               "metrics": not args.no_metrics, "extra": args.extra,
                               "micro_batches": args.micro_batches,
-                              "revision": git_revision()}
+                              "revision": git_revision(),
+                              "python_ns_per_op_before": round(python_ns_per_op(), 1)}
     print(config)
     rows = []
     for p in (int(x) for x in args.stages.split(",")):
@@ -125,6 +134,7 @@ def main() -> None:
             result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu))
         rows.append({"stages": p, "micro_batches": mb, **result})
         print(rows[-1], flush=True)
+    config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)
     base = rows[0]["steps_per_s"]
     for r in rows:
         r["vs_first"] = r["steps_per_s"] / base
@@ -132,6 +142,8 @@ def main() -> None:
     print_table([{k: v for k, v in r.items() if k != "cpu_us_per_step_by_part"} for r in rows])
     for r in rows:
         print(f"{r['stages']} stage(s), CPU µs per step:", r["cpu_us_per_step_by_part"])
+    print("this machine's Python speed, ns per op of `report.python_ns_per_op` (before / "
+          f"after): {config['python_ns_per_op_before']} / {config['python_ns_per_op_after']}")
 
 
 if __name__ == "__main__":

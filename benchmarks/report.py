@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,26 @@ def git_revision() -> str:
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def python_ns_per_op(iterations: int = 200_000, repeats: int = 5) -> float:
+    """Nanoseconds per iteration of a fixed pure-Python loop (dict and list work, best of
+    `repeats`): how fast this machine's interpreter runs at the time of the call. Figures
+    bound by Python on the CPU (W6, the scheduler) move with it from one machine, or one
+    hour of a shared VM, to the next; set beside them, it says which differences are the
+    machine's. The loop must never change, or its figures stop comparing with earlier ones."""
+    best = float("inf")
+    for _ in range(repeats):
+        table: dict[int, int] = {}
+        items: list[int] = []
+        started = time.perf_counter()
+        for i in range(iterations):
+            table[i & 1023] = i
+            items.append(table.get(i & 511, 0) + len(items))
+            if len(items) > 1024:
+                items.clear()
+        best = min(best, time.perf_counter() - started)
+    return best / iterations * 1e9
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

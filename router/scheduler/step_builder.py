@@ -90,13 +90,6 @@ class StepBuilder:
                 still_waiting.append(parent)
         state.fork_ready = still_waiting
 
-    def _eligible(self, seq: Sequence) -> bool:
-        if not seq.num_inflight:
-            return True
-        config = self.state.config
-        return (seq.num_inflight < config.max_steps_per_seq
-                and self.step_id - seq.last_step_id >= config.max_inflight_steps)
-
     def _schedule_decodes(self) -> list[Sequence]:
         """Phase 1. Returns the eligible running sequences that are not decodes, in order.
 
@@ -107,10 +100,14 @@ class StepBuilder:
         # budget <= max_num_seqs <= max_num_batched_tokens: decodes never run out of tokens.
         budget = min(self.seq_budget, -(-len(running) // config.max_inflight_steps))
         max_len, emit = config.max_model_len, self._emit
+        # Eligible (see the module): in no outstanding step, or in fewer than
+        # max_steps_per_seq of them, the newest at least P steps old.
+        step_id, max_steps, gap = self.step_id, config.max_steps_per_seq, config.max_inflight_steps
         num_decodes = 0
         deferred: list[Sequence] = []
         for seq in running:  # preemption pops from the end only: the iterator stops sooner
-            if seq.num_inflight and not self._eligible(seq):
+            inflight = seq.num_inflight
+            if inflight and (inflight >= max_steps or step_id - seq.last_step_id < gap):
                 continue
             start = seq.num_computed
             if start + 1 != len(seq.token_ids) + seq.num_pending or seq.extra_choices:

@@ -28,6 +28,7 @@ def test_main_writes_json_with_revision(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["revision"] and doc["config"]["seqs"] == 8 and doc["config"]["repeats"] == 1
+    assert doc["config"]["python_ns_per_op"] > 0
     assert [(r["P"], r["run_ahead"]) for r in doc["results"]] == [
         (1, False), (1, True), (2, False), (4, False), (4, True)]
     assert "us/step" in done.stdout
