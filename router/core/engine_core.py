@@ -304,27 +304,22 @@ class EngineCore:
                 batch.prompt_logprobs.append(PromptLogprobEntry(
                     scores.seq_id, scores.start,
                     [(e.token_id, e.logprob, list(e.top)) for e in scores.entries]))
-        # The hot loop (every sampled token): lookups hoisted, and the front's batch kept
-        # while consecutive tokens share a front (they usually all do).
-        verdict, logprobs = self.ledger.verdict, outcome.logprobs
-        last_front, batch = -1, None
         for seq_id, token in update.new_tokens.items():
             rules = live.get(seq_id)
             if rules is None:
                 continue
-            code = verdict(seq_id, token, rules, seq_id in capped)
+            code = self.ledger.verdict(seq_id, token, rules, seq_id in capped)
             if code and seq_id not in capped:  # a capped one the scheduler already ended
                 scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
                                  else FinishReason.LENGTH)
             front = front_of(seq_id)
-            if front != last_front or batch is None:
-                last_front, batch = front, batches.get(front)
-                if batch is None:
-                    batch = batches[front] = FrontBatch()
+            batch = batches.get(front)
+            if batch is None:
+                batch = batches[front] = FrontBatch()
             batch.seq_ids.append(seq_id)
             batch.token_ids.append(token)
             batch.finish.append(code)
-            if rules.logprobs and (lp := logprobs.get(seq_id)) is not None:
+            if rules.logprobs and (lp := outcome.logprobs.get(seq_id)) is not None:
                 batch.logprobs.append(LogprobEntry(seq_id, lp.token_id, lp.logprob,
                                                    list(lp.top)))
         self._send_batches(batches)
