@@ -57,6 +57,7 @@ from router.scheduler import (
 )
 
 log = logging.getLogger("stagemesh.core")
+SETTLE_S = 2.0  # after Shutdown, how long the stages get to answer and learn every finish
 
 
 class OutputSink(Protocol):
@@ -127,11 +128,26 @@ class EngineCore:
             for task in tasks:
                 if task.done():
                     task.result()  # raises what ended it
+            await self._settle()
         finally:
             stopped.cancel()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, stopped, return_exceptions=True)
+
+    async def _settle(self) -> None:
+        """After Shutdown (the fronts have drained): step on until the steps still out are
+        answered and the stages told of every sequence that ended (a stop string reported
+        just before Shutdown, say), so each stage stops holding nothing; SETTLE_S at most.
+        A sequence still live has no client left: it is aborted."""
+        deadline = time.monotonic() + SETTLE_S
+        for seq_id in self.ledger.abort_all():
+            if self.scheduler is not None:
+                self.scheduler.abort(seq_id)
+        while (self.ready and self.scheduler is not None and not self.scheduler.settled
+               and time.monotonic() < deadline):
+            self._wake.set()
+            await asyncio.sleep(0.005)
 
     def handle(self, msg: FrontMessage) -> None:
         """Apply one front message (the receive loop calls it for each)."""

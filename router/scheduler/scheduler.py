@@ -89,6 +89,14 @@ class Scheduler:
         return len(self._state.inflight) < self.outstanding_limit
 
     @property
+    def settled(self) -> bool:
+        """Whether the stages know all the scheduler does: no step outstanding, and no
+        notice (a sequence whose stage state is to be dropped) or block copy waiting for a
+        plan to carry it."""
+        state = self._state
+        return not (state.inflight or state.notices or state.block_copies)
+
+    @property
     def has_unfinished(self) -> bool:
         """Whether any sequence is live (waiting, running or a pending choice)."""
         return bool(self._state.seqs)

@@ -10,8 +10,11 @@ only its shape).
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -94,6 +97,38 @@ def test_cancel_mid_stream_frees_kv_on_the_router_and_every_stage(model_dir: Pat
             assert any(mesh.stage_sequences())
             await stream.aclose()
             await wait_idle(client, mesh.stage_sequences)
+
+    asyncio.run(run())
+
+
+def test_a_stop_right_after_a_cancel_leaves_no_stage_holding_it(model_dir: Path) -> None:
+    """The router stopped at once after a client cancelled, while the steps in flight
+    take a model's time (50 ms each here): the core tells the stages of the cancel before
+    it closes their streams (each stage's reset finds nothing to drop at the close, nor
+    at the Drain after it)."""
+
+    async def run() -> None:
+        dropped: list[int] = []
+        async with in_process_mesh(null_stages(model_dir, 2)) as mesh:
+            for stage in mesh.stages:
+                leader = stage.servicer.leader
+
+                def counted(reset: Callable[[], int] = leader.reset) -> int:
+                    dropped.append(reset())
+                    return dropped[-1]
+
+                def slow(plan: Any, step: Callable[[Any], Any] = leader.run_step) -> Any:
+                    time.sleep(0.05)
+                    return step(plan)
+                leader.reset = counted  # type: ignore[method-assign]
+                leader.run_step = slow  # type: ignore[method-assign]
+            async with mesh.client() as client:
+                stream = client.generate(prompt="x " * 100, max_tokens=4000, ignore_eos=True)
+                for _ in range(3):
+                    await stream.__anext__()
+                await stream.aclose()
+        # Leaving the block stopped the router (its drain), then the stages.
+        assert len(dropped) >= 2 and not any(dropped), dropped
 
     asyncio.run(run())
 
