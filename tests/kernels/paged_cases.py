@@ -45,13 +45,19 @@ class Case:
 
 def mixed_case(seed: int, hq: int, hkv: int, dim: int, block: int, num_blocks: int,
                shapes: tuple[tuple[int, int], ...] = MIXED, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", kv_dtype: torch.dtype | None = None) -> Case:
-    """`kv_dtype`: the caches' dtype (default `dtype`; float8_e4m3fn for an fp8 cache)."""
+               device: str = "cpu", kv_dtype: torch.dtype | None = None,
+               stale: float | None = None) -> Case:
+    """`kv_dtype`: the caches' dtype (default `dtype`; float8_e4m3fn for an fp8 cache).
+    `stale`: the value of every slot no sequence wrote (default random values), e.g. NaN,
+    which must not reach any output."""
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     k_cache = torch.randn(num_blocks, block, hkv, dim, generator=gen)
     v_cache = torch.randn(num_blocks, block, hkv, dim, generator=gen)
+    if stale is not None:
+        k_cache.fill_(stale)
+        v_cache.fill_(stale)
     chunks, full_k, full_v, q_parts = [], [], [], []
     for i, (done, new) in enumerate(shapes):
         total = done + new

@@ -27,17 +27,19 @@ def check(device: str, dtype: torch.dtype, tol: float,
           splits: tuple[int | None, ...] = (None,),
           batches: tuple[tuple[tuple[int, int], ...], ...] = (MIXED, LONG, DECODES),
           heads: tuple[tuple[int, int, int], ...] = HEADS,
-          kv_dtype: torch.dtype | None = None) -> None:
+          kv_dtype: torch.dtype | None = None, stale: float | None = None) -> None:
     """Every head layout, the mixed, the long and the decode batch: kernel vs oracle and vs
     reference, with the split count the kernel picks (None) and each one given. A split
     count above a sequence's key tiles leaves splits empty; they must weigh nothing.
-    `kv_dtype` float8_e4m3fn: an fp8 cache (the oracle sees the stored values)."""
+    `kv_dtype` float8_e4m3fn: an fp8 cache (the oracle sees the stored values). `stale`:
+    the value of the slots no sequence wrote (NaN: the slots a sequence's last key tile
+    spans past its end must not reach the output)."""
     from kernels.paged_attention_triton import paged_attention_triton
 
     for hq, hkv, dim in heads:
         for seed, shapes in enumerate(batches):
             case = mixed_case(seed, hq, hkv, dim, block=16, num_blocks=64, shapes=shapes,
-                              dtype=dtype, device=device, kv_dtype=kv_dtype)
+                              dtype=dtype, device=device, kv_dtype=kv_dtype, stale=stale)
             ref = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta,
                                       case.scale)
             ref_err = (ref.double().cpu() - case.want).abs().max().item()
@@ -54,12 +56,16 @@ def check(device: str, dtype: torch.dtype, tol: float,
                                             (torch.float16, 5e-3)])
 def test_kernel_on_cuda(dtype: torch.dtype, tol: float) -> None:
     check("cuda", dtype, tol, splits=(None, 1, 2, 3, 16))
+    check("cuda", dtype, tol, splits=(None, 1, 3), batches=(MIXED, DECODES),
+          stale=float("nan"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_kernel_over_an_fp8_cache_on_cuda(dtype: torch.dtype, tol: float) -> None:
     check("cuda", dtype, tol, splits=(None, 1, 3), kv_dtype=torch.float8_e4m3fn)
+    check("cuda", dtype, tol, splits=(None, 3), batches=(DECODES,),
+          kv_dtype=torch.float8_e4m3fn, stale=float("nan"))
 
 
 def test_kernel_in_the_triton_interpreter() -> None:
@@ -68,6 +74,8 @@ def test_kernel_in_the_triton_interpreter() -> None:
                     "check('cpu', torch.float32, 1e-5, batches=(MIXED, LONG), heads=H); "
                     "check('cpu', torch.float32, 1e-5, splits=(3,), batches=(DECODES,), "
                     "heads=H); "
+                    "check('cpu', torch.float32, 1e-5, splits=(1, 3), batches=(DECODES,), "
+                    "heads=H[:1], stale=float('nan')); "
                     "check('cpu', torch.float32, 1e-5, splits=(None, 3), batches=(MIXED,), "
                     "heads=H[:1], kv_dtype=torch.float8_e4m3fn)")
 
