@@ -8,6 +8,7 @@ from router.scheduler import (
     AdmissionRefusedError,
     ChoiceSpec,
     DuplicateSeqIdError,
+    FinishReason,
     InvalidRequestError,
     InvalidStepResultError,
     RefusalReason,
@@ -176,3 +177,22 @@ def test_prefill_chunks_are_cached_as_soon_as_they_are_sent() -> None:
     assert plan is not None
     (new,) = plan.new_seqs
     assert (new.seq_id, new.num_computed_tokens) == (2, 8)
+
+
+def test_settled_until_a_step_is_out_or_a_finish_waits_for_a_plan() -> None:
+    """`settled`: nothing outstanding and nothing the stages are yet to learn. A finish of
+    a sequence the stages hold leaves a notice that only a plan clears."""
+    scheduler, _ = make_scheduler()
+    assert scheduler.settled
+    scheduler.add_request(1, [1, 2, 3], None)
+    plan = scheduler.schedule()
+    assert plan is not None and not scheduler.settled  # the step is out
+    scheduler.update(plan.step_id, {1: 5})
+    assert scheduler.settled
+    scheduler.finish(1, FinishReason.STOP)
+    assert not scheduler.settled  # the stages still hold sequence 1
+    notice = scheduler.schedule()
+    assert notice is not None and notice.finished_seq_ids == (1,) and not notice.seq_ids
+    assert not scheduler.settled  # sent, not yet answered
+    scheduler.update(notice.step_id, {})
+    assert scheduler.settled
