@@ -141,9 +141,7 @@ class EngineCore:
         just before Shutdown, say), so each stage stops holding nothing; SETTLE_S at most.
         A sequence still live has no client left: it is aborted."""
         deadline = time.monotonic() + SETTLE_S
-        for seq_id in self.ledger.abort_all():
-            if self.scheduler is not None:
-                self.scheduler.abort(seq_id)
+        self._abort_live()
         while (self.ready and self.scheduler is not None and not self.scheduler.settled
                and time.monotonic() < deadline):
             self._wake.set()
@@ -196,10 +194,7 @@ class EngineCore:
         self.fronts.discard(front)
         self.sink.forget(front)
         self._cached.pop(front, None)
-        seq_ids = self.ledger.abort_all(front)
-        for seq_id in seq_ids:
-            if self.scheduler is not None:
-                self.scheduler.abort(seq_id)
+        seq_ids = self._abort_live(front)
         log.log(logging.WARNING if seq_ids else logging.INFO,
                 "front %d is gone: %d of its sequence(s) aborted", front, len(seq_ids))
 
@@ -242,6 +237,15 @@ class EngineCore:
         for seq_id in msg.seq_ids:
             if self.ledger.end(seq_id, aborted) is not None and self.scheduler is not None:
                 self.scheduler.finish(seq_id, reason)
+
+    def _abort_live(self, front: int | None = None) -> list[int]:
+        """Abort every live sequence (of `front`, or of all fronts) in the ledger and the
+        scheduler (the next plan tells the stages); returns their ids."""
+        seq_ids = self.ledger.abort_all(front)
+        if self.scheduler is not None:
+            for seq_id in seq_ids:
+                self.scheduler.abort(seq_id)
+        return seq_ids
 
     def _abort_request(self, msg: AbortRequest) -> None:
         """The public Abort: end a request's sequences wherever it runs; its front ends the
@@ -399,10 +403,8 @@ class EngineCore:
     def _fail_all(self, message: str) -> None:
         log.error("%s; failing %d sequence(s)", message, len(self.ledger))
         by_front: dict[int, list[int]] = {}
-        assert self.scheduler is not None
-        for seq_id in self.ledger.abort_all():
+        for seq_id in self._abort_live():
             by_front.setdefault(front_of(seq_id), []).append(seq_id)
-            self.scheduler.abort(seq_id)
         for front, seq_ids in by_front.items():
             self.sink.send(front, Failed(seq_ids, message))
 
