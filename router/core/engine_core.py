@@ -43,6 +43,7 @@ from router.core.messages import (
     duplicate_request_message,
     front_of,
 )
+from router.core.recovery import Outage
 from router.core.request_trace import StepTraces
 from router.core.stats import core_stats, stage_stats
 from router.metrics import CoreMetrics
@@ -95,8 +96,7 @@ class EngineCore:
         self._wake = asyncio.Event()
         self.stopped = asyncio.Event()  # a front said Shutdown
         self._sent_at: dict[int, float] = {}
-        self._down_since: float | None = None
-        self._down_reason = ""  # why the pipeline is down: the failure, then the last retry
+        self.outage = Outage(pipeline, cfg.recovery_budget_s, metrics)
         self._was_ready = False
         self.start_error: CoreState | None = None  # set when start() failed
 
@@ -205,9 +205,9 @@ class EngineCore:
         front = front_of(msg.seq_ids[0])
         if front in self._gone_fronts:  # sent just before that front died
             return
-        if scheduler is None or self._down_past_budget():
+        if scheduler is None or self.outage.past_budget:
             self.sink.send(front, Failed(msg.seq_ids, (
-                f"the pipeline is down past its recovery budget: {self._down_reason}"
+                f"the pipeline is down past its recovery budget: {self.outage.reason}"
                 if scheduler else "starting")))
             return
         if self.ledger.is_live(msg.request_id):  # request ids are unique across fronts
@@ -258,10 +258,6 @@ class EngineCore:
         if seq_ids and front_of(seq_ids[0]) not in self._gone_fronts:
             self.sink.send(front_of(seq_ids[0]), Aborted(seq_ids))
         self.sink.send(msg.front, AbortResult(msg.reply_id, bool(seq_ids)))
-
-    def _down_past_budget(self) -> bool:
-        return (self.pipeline.state is not PipelineState.READY and self._down_since is not None
-                and time.monotonic() - self._down_since > self.cfg.recovery_budget_s)
 
     # --- the step loop ---------------------------------------------------------------------
 
@@ -318,9 +314,7 @@ class EngineCore:
         for scores in outcome.prompt:
             if scores.seq_id in live:
                 front = front_of(scores.seq_id)
-                batch = batches.get(front)
-                if batch is None:
-                    batch = batches[front] = FrontBatch()
+                batch = batches.get(front) or batches.setdefault(front, FrontBatch())
                 batch.prompt_logprobs.append(PromptLogprobEntry(
                     scores.seq_id, scores.start,
                     [(e.token_id, e.logprob, list(e.top)) for e in scores.entries]))
@@ -333,9 +327,7 @@ class EngineCore:
                 scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
                                  else FinishReason.LENGTH)
             front = front_of(seq_id)
-            batch = batches.get(front)
-            if batch is None:
-                batch = batches[front] = FrontBatch()
+            batch = batches.get(front) or batches.setdefault(front, FrontBatch())
             batch.seq_ids.append(seq_id)
             batch.token_ids.append(token)
             batch.finish.append(code)
@@ -370,12 +362,9 @@ class EngineCore:
 
     def _on_failure(self, reason: str) -> None:
         """A stage failed: keep every request (the core has its tokens), preempt all
-        sequences for recompute, and re-link when the stages are back."""
-        self._down_since = time.monotonic()
-        self._down_reason = reason
+        sequences for recompute, and re-link when the stages are back (`Outage`)."""
+        self.outage.begin(reason)
         self._sent_at.clear()
-        if self.metrics is not None:
-            self.metrics.recoveries.inc()
         assert self.scheduler is not None
         preempted = self.scheduler.preempt_all()
         log.warning("pipeline failure (%s): %d sequence(s) preempted for recompute", reason,
@@ -384,19 +373,12 @@ class EngineCore:
         self._wake.set()
 
     async def _recover(self) -> None:
-        assert self._down_since is not None
-        budget = self.cfg.recovery_budget_s - (time.monotonic() - self._down_since)
-        try:
-            await self.pipeline.start(max(budget, 0.0))
-        except Exception as e:
-            self._down_reason = str(e)
-            self._fail_all(f"pipeline stage unavailable past the recovery budget: {e}")
+        if not await self.outage.recover():
+            self._fail_all("pipeline stage unavailable past the recovery budget: "
+                           f"{self.outage.reason}")
             await asyncio.sleep(1.0)
             self._wake.set()  # keep trying in the background; readiness stays NOT_SERVING
             return
-        if self.metrics is not None:
-            self.metrics.recovery_seconds.observe(time.monotonic() - self._down_since)
-        self._down_since = None
         self._publish_state()
         self._wake.set()
 
