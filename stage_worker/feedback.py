@@ -74,15 +74,14 @@ class StepTokens:
                            else dict(zip(seq_ids, self.token_ids, strict=True)))
 
     @classmethod
-    def from_message(cls, step_id: int, tensors: list[torch.Tensor]) -> StepTokens:
-        """A feedback-link message. Raises ValueError unless it is two int64 vectors of one
-        length."""
-        if (len(tensors) != 2 or any(t.dtype != torch.int64 or t.dim() != 1 for t in tensors)
-                or tensors[0].shape != tensors[1].shape):
-            got = [f"{list(t.shape)} {t.dtype}" for t in tensors]
+    def from_message(cls, step_id: int, columns: Sequence[Sequence[int]]) -> StepTokens:
+        """A feedback-link message (`Transport.recv_ints`). Raises ValueError unless it is
+        two vectors of one length."""
+        if len(columns) != 2 or len(columns[0]) != len(columns[1]):
             raise ValueError(f"feedback of step {step_id} must be seq_ids [S] and token_ids "
-                             f"[S], int64; got {got}")
-        return cls(step_id, tuple(tensors[0].tolist()), tuple(tensors[1].tolist()))
+                             f"[S]; got {len(columns)} vector(s) of length(s) "
+                             f"{[len(c) for c in columns]}")
+        return cls(step_id, tuple(columns[0]), tuple(columns[1]))
 
 
 class FeedbackStore:
@@ -204,8 +203,8 @@ class FeedbackInbox:
     def _drain(self, link: Transport) -> None:
         while True:
             try:
-                step_id, tensors = link.recv_any(timeout_s=None)
-                tokens = StepTokens.from_message(step_id, tensors)
+                step_id, columns = link.recv_ints(timeout_s=None)
+                tokens = StepTokens.from_message(step_id, columns)
             except (TransportError, ValueError) as e:
                 with self._lock:
                     current = link is self._link

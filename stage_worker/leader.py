@@ -39,7 +39,6 @@ from stage_worker.dataplane.compression import (
     decompress,
 )
 from stage_worker.feedback import FeedbackInbox, FeedbackStore, StepTokens
-from stage_worker.host_transfer import host_tensor
 from stage_worker.links import (
     DataPlaneAddress,
     DataPlaneLinks,
@@ -307,8 +306,7 @@ class StageLeader:
             ids, logprobs = sampling.sample.resolve()
             seq_ids, token_ids = sampling.sample.seq_ids, tuple(ids)
         if not rank.is_first:  # first: the first stage may be waiting for them to step
-            self.links.send_feedback(sampling.step_id,
-                                     [host_tensor(seq_ids), host_tensor(token_ids)])
+            self.links.send_feedback(sampling.step_id, seq_ids, token_ids)
         if seq_ids:
             rank.held.record_sampled(sampling.step_id, seq_ids, token_ids)
         return self._outcome(sampling.step_id, seq_ids, token_ids, logprobs, sampling.prompt)

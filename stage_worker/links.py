@@ -170,11 +170,14 @@ class DataPlaneLinks:
             raise LinkNotReadyError("no downstream data-plane link: router must Connect")
         self._downstream.send(step_id, tensors)
 
-    def send_feedback(self, step_id: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Last stage: step `step_id`'s sampled ids to the first stage; nothing without a
-        feedback link (the router links one for every pipeline of more than one stage)."""
+    def send_feedback(self, step_id: int, seq_ids: Sequence[int],
+                      token_ids: Sequence[int]) -> None:
+        """Last stage: step `step_id`'s sampled ids to the first stage (`feedback`'s
+        message); nothing without a feedback link (the router links one for every pipeline
+        of more than one stage)."""
         if self._feedback_out is not None:
-            self._feedback_out.send(step_id, tensors, timeout_s=self.timeout_s)
+            self._feedback_out.send_ints(step_id, [seq_ids, token_ids],
+                                         timeout_s=self.timeout_s)
 
     def close_epoch(self, epoch: int) -> None:
         """Close the links of `epoch` if it is still the current one (a blocked receive on

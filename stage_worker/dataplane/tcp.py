@@ -19,7 +19,9 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +42,7 @@ from stage_worker.dataplane.transport import (
     LinkListener,
     LinkRefusedError,
     LinkUnreachableError,
+    ProtocolError,
     Transport,
     TransportError,
     TransportTimeout,
@@ -47,10 +50,12 @@ from stage_worker.dataplane.transport import (
 from stage_worker.dataplane.wire import (
     MAX_TABLE_BYTES,
     PREFIX,
+    TensorHeader,
     byte_view,
     decode_prefix,
     decode_table,
     encode_header,
+    encode_int64_header,
     wire_tensor,
 )
 
@@ -60,6 +65,7 @@ _DEFAULT_CONFIG = DataPlaneConfig()
 # Receive staging: holds the largest header with room to spare, so one recv usually brings a
 # whole header (and a whole small message, e.g. a decode step's [B, H] activations for small B).
 _STAGING_BYTES = 16 << 10
+_T = TypeVar("_T")
 assert PREFIX.size + MAX_TABLE_BYTES <= _STAGING_BYTES
 
 
@@ -143,8 +149,21 @@ class TcpTransport(Transport):
     ) -> None:
         wire = [wire_tensor(t) for t in tensors]
         header = encode_header(step_id, wire, self._config.max_message_bytes)
-        # One sendmsg for header + every payload (scatter-gather), unless the kernel splits it.
-        buffers: list[bytes | memoryview] = [header, *(byte_view(t) for t in wire)]
+        self._send_message(step_id, [header, *(byte_view(t) for t in wire)], timeout_s)
+
+    def send_ints(self, step_id: int, columns: Sequence[Sequence[int]],
+                  timeout_s: float | None = None) -> None:
+        """`Transport.send_ints` without torch: each column packed by `array` (a few
+        integers a step: torch's per-call cost would be most of the send)."""
+        packed = [array("q", c) for c in columns]
+        header = encode_int64_header(step_id, [len(c) for c in packed],
+                                     self._config.max_message_bytes)
+        self._send_message(step_id, [header, *(memoryview(c).cast("B") for c in packed)],
+                           timeout_s)
+
+    def _send_message(self, step_id: int, buffers: list[bytes | memoryview],
+                      timeout_s: float | None) -> None:
+        """Header + payloads, in one sendmsg (scatter-gather) unless the kernel splits it."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._send_lock:
             self._raise_if_closed()
@@ -164,11 +183,22 @@ class TcpTransport(Transport):
                 raise
 
     def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
+        return self._receive(timeout_s, _tensor_of)
+
+    def recv_ints(self, timeout_s: float | None = None) -> tuple[int, list[Sequence[int]]]:
+        """`Transport.recv_ints` without torch: each payload lands in an `array`."""
+        step_id, columns = self._receive(timeout_s, _int64_vector_of)
+        return step_id, list(columns)
+
+    def _receive(self, timeout_s: float | None,
+                 alloc: Callable[[TensorHeader], tuple[_T, memoryview]]) -> tuple[int, list[_T]]:
+        """One message (see `_read_message`), under the receive lock; closes the link on
+        anything that leaves the stream unframed."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._recv_lock:
             self._raise_if_closed()
             try:
-                return self._read_message(deadline, timeout_s)
+                return self._read_message(deadline, timeout_s, alloc)
             except TransportTimeout as e:
                 if e.link_closed:
                     self.close()
@@ -178,9 +208,11 @@ class TcpTransport(Transport):
                 raise
 
     def _read_message(
-        self, deadline: float | None, timeout_s: float | None
-    ) -> tuple[int, list[torch.Tensor]]:
-        """Read one whole message: prefix, table, then each payload into its tensor."""
+        self, deadline: float | None, timeout_s: float | None,
+        alloc: Callable[[TensorHeader], tuple[_T, memoryview]],
+    ) -> tuple[int, list[_T]]:
+        """Read one whole message: prefix, table, then each payload into what `alloc` makes
+        of its header (the value returned, and the bytes to fill)."""
         reader = self._reader
         try:
             # Headers are peeked, not consumed: running out of time here keeps the link framed.
@@ -193,16 +225,16 @@ class TcpTransport(Transport):
                 f"no data-plane message from {self.peer} within {timeout_s}s",
                 link_closed=False) from None
         reader.consume(header_bytes)
-        # Limits are checked: allocate, then receive each payload into its tensor's memory.
-        tensors = [torch.empty(h.shape, dtype=h.dtype) for h in headers]
+        # Limits are checked: allocate, then receive each payload into its memory.
+        made = [alloc(h) for h in headers]
         try:
-            for t in tensors:
-                reader.read_into(byte_view(t), deadline)
+            for _, view in made:
+                reader.read_into(view, deadline)
         except DeadlineExpiredError:
             raise TransportTimeout(
                 f"data-plane message from {self.peer} incomplete after {timeout_s}s; "
                 "link closed", link_closed=True) from None
-        return prefix.step_id, tensors
+        return prefix.step_id, [value for value, _ in made]
 
     def close(self) -> None:
         with self._close_lock:
@@ -217,6 +249,21 @@ class TcpTransport(Transport):
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise LinkClosedError(f"data-plane link to {self.peer} is closed")
+
+
+def _tensor_of(header: TensorHeader) -> tuple[torch.Tensor, memoryview]:
+    tensor = torch.empty(header.shape, dtype=header.dtype)
+    return tensor, byte_view(tensor)
+
+
+def _int64_vector_of(header: TensorHeader) -> tuple[array[int], memoryview]:
+    """An int64 array for a 1-D int64 payload (host byte order, as the wire's); anything
+    else is a protocol error."""
+    if header.dtype != torch.int64 or len(header.shape) != 1:
+        raise ProtocolError(f"expected a 1-D int64 tensor, got {list(header.shape)} "
+                            f"{header.dtype}")
+    values = array("q", bytes(header.nbytes))
+    return values, memoryview(values).cast("B")
 
 
 class TcpListener(LinkListener):

@@ -154,6 +154,33 @@ class Transport(abc.ABC):
             TransportTimeout, LinkClosedError, ProtocolError: as `recv`.
         """
 
+    def send_ints(self, step_id: int, columns: Sequence[Sequence[int]],
+                  timeout_s: float | None = None) -> None:
+        """Send host integers (the run-ahead feedback's ids) as one message of 1-D int64
+        tensors, one per column: the same message as `send` of those tensors, which an
+        implementation may build without torch.
+
+        Raises:
+            As `send`; OverflowError for a value outside int64.
+        """
+        self.send(step_id, [torch.tensor(c, dtype=torch.int64) for c in columns], timeout_s)
+
+    def recv_ints(self, timeout_s: float | None = None) -> tuple[int, list[Sequence[int]]]:
+        """`recv_any` of a message of 1-D int64 tensors (what `send_ints` sends): its step
+        id and each tensor's values.
+
+        Raises:
+            ProtocolError: a tensor of another dtype or rank (the link is closed).
+            TransportTimeout, LinkClosedError: as `recv`.
+        """
+        step_id, tensors = self.recv_any(timeout_s)
+        for i, t in enumerate(tensors):
+            if t.dtype != torch.int64 or t.dim() != 1:
+                self.close()
+                raise ProtocolError(f"step {step_id}: tensor {i} is {list(t.shape)} "
+                                    f"{t.dtype}, expected 1-D int64")
+        return step_id, [t.tolist() for t in tensors]
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close the link (idempotent, thread-safe); later calls raise `LinkClosedError`."""

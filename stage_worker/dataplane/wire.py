@@ -68,6 +68,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int8: 8,
 }
 _CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+_INT64 = DTYPE_CODES[torch.int64]
 
 HELLO_MAGIC = b"SMHS"
 HELLO = struct.Struct("<4sBBH")
@@ -148,20 +149,45 @@ def encode_header(step_id: int, tensors: Sequence[torch.Tensor], max_message_byt
         raise ValueError(f"step_id must be in 0..2**64-1, got {step_id}")
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"{len(tensors)} tensors in one message, the limit is {MAX_TENSORS}")
-    layout = _header_struct(tuple(t.dim() for t in tensors))
     entries: list[int] = []
     payload = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         entries += [DTYPE_CODES[t.dtype], t.dim(), *t.shape, nbytes]
         payload += nbytes
+    return _pack_header(step_id, tuple(t.dim() for t in tensors), entries, payload,
+                        max_message_bytes)
+
+
+def encode_int64_header(step_id: int, lengths: Sequence[int], max_message_bytes: int) -> bytes:
+    """The header `encode_header` writes for 1-D int64 tensors of these `lengths`, without
+    torch (host integers sent from `array`s: the run-ahead feedback).
+
+    Raises:
+        ValueError: as `encode_header`.
+    """
+    if not 0 <= step_id <= MAX_STEP_ID:
+        raise ValueError(f"step_id must be in 0..2**64-1, got {step_id}")
+    if len(lengths) > MAX_TENSORS:
+        raise ValueError(f"{len(lengths)} tensors in one message, the limit is {MAX_TENSORS}")
+    entries: list[int] = []
+    for n in lengths:
+        entries += [_INT64, 1, n, 8 * n]
+    return _pack_header(step_id, (1,) * len(lengths), entries, 8 * sum(lengths),
+                        max_message_bytes)
+
+
+def _pack_header(step_id: int, ndims: tuple[int, ...], entries: list[int], payload: int,
+                 max_message_bytes: int) -> bytes:
+    """Prefix + table: `entries` are each tensor's dtype code, ndim, shape and nbytes."""
+    layout = _header_struct(ndims)
     if layout.size + payload > max_message_bytes:
         raise ValueError(
             f"message of {layout.size + payload} bytes exceeds the data-plane limit of "
             f"{max_message_bytes}"
         )
     table_bytes = layout.size - PREFIX.size
-    return layout.pack(MAGIC, WIRE_VERSION, 0, len(tensors), table_bytes, step_id, *entries)
+    return layout.pack(MAGIC, WIRE_VERSION, 0, len(ndims), table_bytes, step_id, *entries)
 
 
 def decode_prefix(buf: bytes | bytearray | memoryview) -> Prefix:
