@@ -177,11 +177,12 @@ class HeldSeqs:
                 if index is not None:
                     state.token_ids[index] = token_id
 
-    def fill_inputs(self, fed: Mapping[int, int]) -> None:
+    def fill_inputs(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """The first stage of several learned the run-ahead tokens of a step it applied
-        with `deferred` (seq_id -> token): they replace the placeholders in the histories."""
+        with `deferred` (`token_ids[i]` is `seq_ids[i]`'s): they replace the placeholders
+        in the histories."""
         seqs, unfilled = self.seqs, self._unfilled
-        for seq_id, token_id in fed.items():
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
             index = unfilled.pop(seq_id, None)
             if index is not None:
                 seqs[seq_id].token_ids[index] = token_id

@@ -31,6 +31,14 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def copy_into(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Overwrite `dst` (on any device) with `host`, a CPU tensor of its shape: to a GPU from
+    pinned memory, non-blocking, as `upload`. The caller must not modify `host` afterwards."""
+    if dst.device.type == "cuda" and host.device.type == "cpu":
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=True)
+
+
 def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A (nested) list of numbers as a tensor on `device`, built on the host (see `upload`)."""

@@ -251,10 +251,10 @@ class StageLeader:
         """`feeds_late`: step `step_id`'s run-ahead tokens, waited for on the feedback link
         (FeedbackMissingError when they do not come, as `_run_ahead_inputs`); the wait is
         the step's, not its work."""
-        def take(wants: list[tuple[int, int]]) -> dict[int, int]:
+        def take(seq_ids: tuple[int, ...], steps: tuple[int, ...]) -> tuple[int, ...]:
             waiting = time.perf_counter()
             try:
-                return self.feedback.take(step_id, wants, self.step_timeout_s)
+                return self.feedback.take_aligned(step_id, seq_ids, steps, self.step_timeout_s)
             finally:
                 self._late_wait += time.perf_counter() - waiting
         return take

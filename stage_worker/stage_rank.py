@@ -14,7 +14,7 @@ import torch
 
 from stage_worker.feedback import FeedbackStore, gather_device_inputs
 from stage_worker.held_seqs import HeldSeqs
-from stage_worker.host_transfer import host_tensor, upload
+from stage_worker.host_transfer import copy_into, host_tensor, upload
 from stage_worker.model_runner import InputFill, ModelRunner
 from stage_worker.parallel import TPGroup
 from stage_worker.plan import PlanError, PromptLogprobs, StagePlan
@@ -22,9 +22,10 @@ from stage_worker.plan_check import StepLimits, check_plan
 from stage_worker.step_input import SeqChunk
 from stage_worker.step_sampling import StepSample, score_prompts
 
-# A step's run-ahead tokens, taken late (see `StageRank.step`): called with the
-# (seq_id, sampled at step) of every run-ahead input, returns seq_id -> token.
-LateInputs = Callable[[list[tuple[int, int]]], Mapping[int, int]]
+# A step's run-ahead tokens, taken late (see `StageRank.step`): called with the seq_ids of
+# the run-ahead inputs and the steps that sampled them (aligned), returns their tokens in
+# that order.
+LateInputs = Callable[[tuple[int, ...], tuple[int, ...]], Sequence[int]]
 
 
 class StageRank:
@@ -100,11 +101,13 @@ class StageRank:
 
             def fill(ids: torch.Tensor) -> None:
                 rows, seq_ids, steps = zip(*ahead, strict=True)
-                fed = late(list(zip(seq_ids, steps, strict=True)))
-                packed = upload(host_tensor([*rows, *map(fed.__getitem__, seq_ids)]),
-                                ids.device)
-                ids.index_copy_(0, packed[:len(rows)], packed[len(rows):])
-                self.held.fill_inputs(fed)
+                tokens = late(seq_ids, steps)
+                if len(rows) == ids.shape[0]:  # every row (rows ascend from 0): a decode step
+                    copy_into(ids, host_tensor(tokens))
+                else:
+                    packed = upload(host_tensor([*rows, *tokens]), ids.device)
+                    ids.index_copy_(0, packed[:len(rows)], packed[len(rows):])
+                self.held.fill_inputs(seq_ids, tokens)
         return step.chunks, self.runner.execute(step.chunks, inputs, fill)
 
     def _share_activations(self, num_tokens: int, upstream: torch.Tensor | None) -> torch.Tensor:

@@ -54,6 +54,22 @@ def test_a_missing_input_names_both_steps(wants: list[tuple[int, int]], error: s
     assert time.monotonic() - started < 2
 
 
+def test_aligned_tokens_come_in_the_asked_order_whatever_the_steps() -> None:
+    store = FeedbackStore()
+    store.put(StepTokens(3, (1, 2, 5), (10, 20, 50)))
+    store.put(StepTokens(4, (7,), (70,)))
+    # One step, the order it sampled in: its own tuple, not a copy built per sequence.
+    assert store.take_aligned(9, (1, 2, 5), (3, 3, 3), timeout_s=5) is store.get(3).token_ids
+    # Another order, a subset, two steps: looked up per sequence, in the order asked.
+    assert store.take_aligned(9, (5, 1), (3, 3), timeout_s=5) == (50, 10)
+    assert store.take_aligned(9, (7, 2), (4, 3), timeout_s=5) == (70, 20)
+    with pytest.raises(FeedbackMissingError, match="sequence 8 takes its input from step 4"):
+        store.take_aligned(9, (7, 8), (4, 4), timeout_s=5)
+    with pytest.raises(FeedbackMissingError, match="step 9: the tokens sampled at step 6 "
+                                                   "did not arrive"):
+        store.take_aligned(9, (1,), (6,), timeout_s=0.05)
+
+
 def test_a_broken_link_wakes_the_waiter_and_old_steps_are_dropped() -> None:
     store = FeedbackStore(keep=2)
     for k in range(4):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stage_worker.block_tables import BlockTables
-from stage_worker.host_transfer import HostCopy, host_tensor, to_device, upload
+from stage_worker.host_transfer import HostCopy, copy_into, host_tensor, to_device, upload
 from stage_worker.step_input import SeqChunk, build_context
 
 CPU = torch.device("cpu")
@@ -30,6 +30,15 @@ def test_a_cpu_run_copies_nothing() -> None:
     assert upload(t, CPU) is t
     assert HostCopy([t, t + 1]).wait()[0] is t
     assert to_device([1, 2], torch.int64, CPU).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_copy_into_overwrites_in_place(device: str) -> None:
+    dst = torch.zeros(4, dtype=torch.int64, device=device)
+    kept = dst
+    copy_into(dst, host_tensor([5, -1, 2**63 - 1, 7]))
+    assert dst is kept and dst.cpu().tolist() == [5, -1, 2**63 - 1, 7]
 
 
 def test_step_layout_of_a_mixed_batch() -> None:
