@@ -28,10 +28,10 @@ def _push(ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> zmq.Socket[bytes
 
 class _Inbox:
     """A bound PULL socket read from the running event loop, without `zmq.asyncio` (whose
-    futures and poller cost about twice the CPU per message: one message a step reaches
-    each front). The loop watches the socket's FD, which ZeroMQ makes readable when the
-    socket's events may have changed; `EVENTS` says whether a message is queued, and
-    reading it re-arms the FD, so it is read before every wait."""
+    futures, poller and flag enums cost a front more CPU than the message: it gets one a
+    step). The loop watches the socket's FD, which ZeroMQ makes readable when the socket's
+    events may have changed; `EVENTS` says whether a message is queued, and reading it
+    re-arms the FD, so it is read before every wait."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str) -> None:
         self.sock = ctx.socket(zmq.PULL)

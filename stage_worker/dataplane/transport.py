@@ -9,6 +9,7 @@ control plane's ``Connect`` RPC carries.
 from __future__ import annotations
 
 import abc
+from array import array
 from collections.abc import Sequence
 from types import TracebackType
 
@@ -163,7 +164,9 @@ class Transport(abc.ABC):
         Raises:
             As `send`; OverflowError for a value outside int64.
         """
-        self.send(step_id, [torch.tensor(c, dtype=torch.int64) for c in columns], timeout_s)
+        # array first: a value outside int64 is an OverflowError, as on `tcp`.
+        self.send(step_id, [torch.tensor(array("q", c), dtype=torch.int64) for c in columns],
+                  timeout_s)
 
     def recv_ints(self, timeout_s: float | None = None) -> tuple[int, list[Sequence[int]]]:
         """`recv_any` of a message of 1-D int64 tensors (what `send_ints` sends): its step

@@ -171,6 +171,8 @@ def test_every_transport_carries_ints_through_its_tensors() -> None:
     assert_bit_exact([torch.tensor(_INT64_EDGES), torch.zeros(0, dtype=torch.int64)],
                      link.messages[0][1])
     assert link.recv_ints() == (3, [_INT64_EDGES, []])
+    with pytest.raises(OverflowError):
+        link.send_ints(4, [[1 << 63]])
     link.send(4, [torch.zeros(3)])
     with pytest.raises(ProtocolError, match=r"tensor 0 is \[3\] torch\.float32"):
         link.recv_ints()

@@ -5,7 +5,6 @@ A sender process pushes 600-byte messages about 0.6 ms apart (a W6 front gets on
     PYTHONPATH=. python benchmarks/results/w6-2026-12-05-channel-feedback/probe_zmq_receive.py
 """
 
-import asyncio
 import multiprocessing as mp
 import os
 import time
