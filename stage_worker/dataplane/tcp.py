@@ -262,7 +262,7 @@ def _int64_vector_of(header: TensorHeader) -> tuple[array[int], memoryview]:
     if header.dtype != torch.int64 or len(header.shape) != 1:
         raise ProtocolError(f"expected a 1-D int64 tensor, got {list(header.shape)} "
                             f"{header.dtype}")
-    values = array("q", bytes(header.nbytes))
+    values = array("q", [0]) * header.shape[0]
     return values, memoryview(values).cast("B")
 
 

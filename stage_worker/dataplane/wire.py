@@ -145,10 +145,6 @@ def encode_header(step_id: int, tensors: Sequence[torch.Tensor], max_message_byt
     Raises:
         ValueError: step id out of range, too many tensors, or message over the size limit.
     """
-    if not 0 <= step_id <= MAX_STEP_ID:
-        raise ValueError(f"step_id must be in 0..2**64-1, got {step_id}")
-    if len(tensors) > MAX_TENSORS:
-        raise ValueError(f"{len(tensors)} tensors in one message, the limit is {MAX_TENSORS}")
     entries: list[int] = []
     payload = 0
     for t in tensors:
@@ -166,10 +162,6 @@ def encode_int64_header(step_id: int, lengths: Sequence[int], max_message_bytes:
     Raises:
         ValueError: as `encode_header`.
     """
-    if not 0 <= step_id <= MAX_STEP_ID:
-        raise ValueError(f"step_id must be in 0..2**64-1, got {step_id}")
-    if len(lengths) > MAX_TENSORS:
-        raise ValueError(f"{len(lengths)} tensors in one message, the limit is {MAX_TENSORS}")
     entries: list[int] = []
     for n in lengths:
         entries += [_INT64, 1, n, 8 * n]
@@ -179,7 +171,15 @@ def encode_int64_header(step_id: int, lengths: Sequence[int], max_message_bytes:
 
 def _pack_header(step_id: int, ndims: tuple[int, ...], entries: list[int], payload: int,
                  max_message_bytes: int) -> bytes:
-    """Prefix + table: `entries` are each tensor's dtype code, ndim, shape and nbytes."""
+    """Prefix + table: `entries` are each tensor's dtype code, ndim, shape and nbytes.
+
+    Raises:
+        ValueError: step id out of range, too many tensors, or message over the size limit.
+    """
+    if not 0 <= step_id <= MAX_STEP_ID:
+        raise ValueError(f"step_id must be in 0..2**64-1, got {step_id}")
+    if len(ndims) > MAX_TENSORS:
+        raise ValueError(f"{len(ndims)} tensors in one message, the limit is {MAX_TENSORS}")
     layout = _header_struct(ndims)
     if layout.size + payload > max_message_bytes:
         raise ValueError(
