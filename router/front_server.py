@@ -51,8 +51,7 @@ class FrontConfig:
     Attributes:
         front_id: the front's id; its sequence ids are `front_id << 40 | n`. Never reused:
             a front process that is restarted gets a new id.
-        core_address: the engine core's input socket.
-        output_address: the socket this front binds for the core's messages to it.
+        core_address: the engine core's input socket (a Unix-domain socket path).
         port: the public port; for fronts 1..N-1 the one front 0 bound (the router's
             `--port`, or what the kernel gave front 0 for port 0).
         model_dir / model_name / host / max_request_bytes / stream_interval /
@@ -65,7 +64,6 @@ class FrontConfig:
 
     front_id: int
     core_address: str
-    output_address: str
     model_dir: str
     model_name: str
     host: str
@@ -82,9 +80,9 @@ class FrontConfig:
     tool_call_parser: str = "auto"
 
     @classmethod
-    def of_router(cls, cfg: RouterConfig, front_id: int, core_address: str,
-                  output_address: str, port: int, metrics_dir: str = "") -> FrontConfig:
-        return cls(front_id, core_address, output_address, str(cfg.model_dir),
+    def of_router(cls, cfg: RouterConfig, front_id: int, core_address: str, port: int,
+                  metrics_dir: str = "") -> FrontConfig:
+        return cls(front_id, core_address, str(cfg.model_dir),
                    cfg.model_name, cfg.host, port, cfg.max_request_bytes, cfg.stream_interval,
                    cfg.drain_timeout_s, cfg.api_keys, cfg.tls, cfg.audit_log,
                    cfg.audit_log_content, metrics_dir, cfg.otlp_traces_endpoint,
@@ -100,11 +98,11 @@ class FrontConfig:
 
 class FrontServer:
     """A `Frontend` with its gRPC server. Construct inside a running event loop (the front
-    says hello to the core at once; the core may bind a moment later)."""
+    says hello to the core at once; the core may listen a moment later)."""
 
     def __init__(self, cfg: FrontConfig, tokenizer: ModelTokenizer) -> None:
         self.cfg = cfg
-        endpoint = FrontEndpoint(cfg.front_id, cfg.core_address, cfg.output_address)
+        endpoint = FrontEndpoint(cfg.front_id, cfg.core_address)
         metrics = None
         if cfg.metrics_dir:
             use_multiprocess_dir(cfg.metrics_dir)

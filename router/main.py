@@ -80,7 +80,8 @@ class RouterApp:
             self.metrics_dir = os.path.join(self._dir, "metrics")
             os.mkdir(self.metrics_dir)
         self.metrics_server: MetricsServer | None = None
-        self.core_cfg = core_config(cfg, f"ipc://{self._dir}/core", self.metrics_dir)
+        self.core_cfg = core_config(cfg, os.path.join(self._dir, "core.sock"),
+                                    self.metrics_dir)
         self.port = cfg.port  # the bound one once started
         self.server = FrontServer(self._front_config(0), self.tokenizer)
         self.front = self.server.front
@@ -95,8 +96,7 @@ class RouterApp:
 
     def _front_config(self, front_id: int) -> FrontConfig:
         return FrontConfig.of_router(self.cfg, front_id, self.core_cfg.input_address,
-                                     f"ipc://{self._dir}/front{front_id}", self.port,
-                                     self.metrics_dir)
+                                     self.port, self.metrics_dir)
 
     async def start(self) -> str:
         """Serve health at once, start the core and the front processes, and wait until the

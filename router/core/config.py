@@ -16,7 +16,8 @@ class CoreConfig:
         model_dir: the model directory (the core reads its config.json only).
         stage_addresses: host:port of each stage's control service, in pipeline order.
         stage_tls: how the core reaches the stages over TLS; None = plaintext.
-        input_address: the ZeroMQ address the core binds for its fronts' messages.
+        input_address: the Unix-domain socket path the core listens on for its fronts'
+            streams (`router.core.channel`).
         max_model_len / max_num_seqs / max_num_batched_tokens / max_queued_requests /
             max_queued_tokens / enable_prefix_caching: as `RouterConfig`.
         startup_budget_s / recovery_budget_s / step_timeout_s: as `RouterConfig`.

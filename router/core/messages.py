@@ -36,10 +36,10 @@ def front_of(seq_id: int) -> int:
 
 
 class Hello(msgspec.Struct, tag=True, array_like=True):
-    """A front introduces itself: where its outputs go."""
+    """A front introduces itself: the first message on its stream to the core, which sends
+    that front's messages back on the same stream."""
 
     front: int
-    address: str
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

@@ -2,7 +2,7 @@
 stdin (never on the command line: it may hold the stage TLS client key).
 
 Started by the router (`router.main`), which runs front 0 (and the front processes of
-`--api-processes`). The core binds its input socket, brings the pipeline up, tells the
+`--api-processes`). The core listens on its input socket, brings the pipeline up, tells the
 fronts (`CoreState`), steps until front 0 says `Shutdown`, then drains the stages and
 exits. It exits by itself if the router dies (its parent process changes).
 
@@ -40,6 +40,7 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
     """The core's life: 0 after a Shutdown, 1 when it could not start (the fronts were told
     why, in a CoreState with `error`)."""
     endpoint = CoreEndpoint(cfg.input_address)
+    await endpoint.start()
     credentials = cfg.stage_tls.credentials() if cfg.stage_tls else None
     pipeline = Pipeline(list(cfg.stage_addresses), credentials=credentials,
                         stage_token=cfg.stage_token, transport=cfg.transport,

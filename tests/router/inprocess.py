@@ -2,9 +2,9 @@
 grpc.aio server on 127.0.0.1, linked by the real TCP data plane) and the real router app in
 front of them: its front and InferenceServicer, and its engine core (scheduler, pipeline
 driver) as a task on the same loop (`engine_core="task"`; pass "process" for the real
-child process), talking over the real ZeroMQ channel; with `api_processes=N` the router also
-starts N - 1 real front processes on the same port. A test runs in well under a second with
-the null model and in seconds with the default model.
+child process), talking over the real channel (a Unix-domain stream per front); with
+`api_processes=N` the router also starts N - 1 real front processes on the same port. A
+test runs in well under a second with the null model and in seconds with the default model.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def test_the_flag_reaches_the_core_and_serve_passes_it_to_router_and_stages(
     args = parser.parse_args(["router", "--model", str(model_dir), "--transport", "tcp"])
     cfg = router_config(args, ("127.0.0.1:1",))
     assert cfg.transport == "tcp"
-    core = core_config(cfg, "ipc:///tmp/x")
+    core = core_config(cfg, "/tmp/x.sock")
     assert CoreConfig.from_json(core.to_json()).transport == "tcp"
     default = parser.parse_args(["router", "--model", str(model_dir)])
     assert router_config(default, ("127.0.0.1:1",)).transport == "auto"
