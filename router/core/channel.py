@@ -9,8 +9,8 @@ sending to it (the router still reports the front gone, `FrontGone`, which abort
 sequences).
 
 A message crosses one socket, read by the receiver's event loop itself: no broker thread
-in either process (W6 measured a front's receive at 31-36 µs of CPU a message this way,
-against 78-99 through ZeroMQ's PUSH/PULL and its I/O threads; docs/BENCHMARKS.md).
+in either process (a front's receive measured 36-45 µs of CPU a message this way, against
+98-105 through ZeroMQ's PUSH/PULL and its I/O threads; docs/BENCHMARKS.md, W6).
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ class _Stream(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # closed after a message past the limit: the rest is not framed
         buf = self._buf
-        if not buf and len(data) >= _LENGTH.size:  # the common case: whole messages
+        if not buf and len(data) >= _LENGTH.size:  # the common case: one whole message
             (n,) = _LENGTH.unpack_from(data)
             if n == len(data) - _LENGTH.size and n <= MAX_MESSAGE_BYTES:
                 self._on_message(data[_LENGTH.size:], self)
