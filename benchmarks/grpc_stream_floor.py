@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.report import git_revision, write_json
+from benchmarks.report import cpu_seconds, git_revision, write_json
 from protos.stagemesh.stage.v1 import stage_pb2 as stage_pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc as stage_grpc
 from protos.stagemesh.v1 import inference_pb2 as pb
@@ -76,22 +76,16 @@ def _serve(port: int, ready: Any) -> None:
     asyncio.run(main())
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _window(count: Callable[[], int], server_pid: int, window_s: float
                   ) -> tuple[int, float, float, float]:
     """After a second for the load to settle: over `window_s`, how far `count()` moved, the
     seconds, and the server's and this process's CPU seconds."""
     await asyncio.sleep(1.0)
     n0, t0 = count(), time.perf_counter()
-    s0, c0 = _cpu_s(server_pid), time.process_time()
+    s0, c0 = cpu_seconds(server_pid), time.process_time()
     await asyncio.sleep(window_s)
     n1, t1 = count(), time.perf_counter()
-    s1, c1 = _cpu_s(server_pid), time.process_time()
+    s1, c1 = cpu_seconds(server_pid), time.process_time()
     return n1 - n0, t1 - t0, s1 - s0, c1 - c0
 
 

@@ -112,6 +112,13 @@ def _role(cmdline: list[str]) -> str:
     return "other"
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_cpu(root: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by `root` and every process under it, summed
     by role ("router" is its front 0, "engine core", "stage 0", ...), from /proc (Linux).

@@ -48,7 +48,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.report import git_revision, print_table, python_ns_per_op, write_json
+from benchmarks.report import cpu_seconds, git_revision, print_table, python_ns_per_op, write_json
 from protos.stagemesh.stage.v1 import stage_pb2 as stage_pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc as stage_grpc
 from protos.stagemesh.v1 import inference_pb2 as pb
@@ -323,12 +323,6 @@ def _front_main(port: int, uds_path: str, seqs: int, rows: int, interval: int,
     asyncio.run(main())
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _clients(port: int, seqs: int, steps: Any, pids: dict[str, int],
                    window_s: float) -> dict[str, Any]:
     tokens = 0
@@ -344,10 +338,10 @@ async def _clients(port: int, seqs: int, steps: Any, pids: dict[str, int],
         try:
             await asyncio.sleep(2.0)  # every stream open, the pipeline full
             s0, k0, t0 = steps.value, tokens, time.perf_counter()
-            c0 = {**{r: _cpu_s(p) for r, p in pids.items()}, "client": time.process_time()}
+            c0 = {**{r: cpu_seconds(p) for r, p in pids.items()}, "client": time.process_time()}
             await asyncio.sleep(window_s)
             s1, k1, t1 = steps.value, tokens, time.perf_counter()
-            c1 = {**{r: _cpu_s(p) for r, p in pids.items()}, "client": time.process_time()}
+            c1 = {**{r: cpu_seconds(p) for r, p in pids.items()}, "client": time.process_time()}
         finally:
             for t in tasks:
                 t.cancel()
@@ -422,17 +416,12 @@ def main() -> None:
         "python_ns_per_op_before": round(python_ns_per_op(), 1)}
     print(config, flush=True)
     rows = []
-    run_dir = Path(tempfile.mkdtemp(prefix="stagemesh-w6-floor-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="stagemesh-w6-floor-") as run_dir:
         for interval in (int(x) for x in args.stream_interval.split(",")):
             got = measure(args.seqs, args.micro_batches, args.hidden, interval, args.window,
-                          args.plans_per_message, args.window_s, run_dir)
+                          args.plans_per_message, args.window_s, Path(run_dir))
             rows.append({"stream_interval": interval, **got})
             print(rows[-1], flush=True)
-    finally:
-        for f in run_dir.iterdir():
-            f.unlink()
-        run_dir.rmdir()
     config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)
     write_json(args.out, config, rows)
     print_table([{k: v for k, v in r.items() if k != "cpu_us_per_step_by_part"} for r in rows])
