@@ -1,0 +1,20 @@
+"""The W6 floor: its skeleton mesh comes up, steps, streams and is measured by part."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+from benchmarks.w6_floor import measure
+
+
+def test_the_skeleton_mesh_steps_and_streams(tmp_path: Path) -> None:
+    # 8 sequences in 2 micro-batches of 4, a response every 2 tokens: every part works.
+    got = measure(seqs=8, micro_batches=2, hidden=16, interval=2, window=4, per_message=2,
+                  window_s=0.5, run_dir=tmp_path)
+    assert got["steps_per_s"] > 0
+    # Each step gives 4 sequences a token, and each token reaches a client.
+    assert got["tokens_per_s"] > 0
+    assert set(got["cpu_us_per_step_by_part"]) == {"stage 0", "stage 1", "engine core",
+                                                   "front", "client"}
+    assert mp.active_children() == []  # every process of the skeleton is gone
