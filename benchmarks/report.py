@@ -138,16 +138,14 @@ def process_cpu(root: int) -> dict[str, float]:
         children = [p for p, pp in parent.items() if pp == pid]
         tree.update(children)
         frontier += children
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for pid in tree:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            seconds = cpu_seconds(pid)
             with open(f"/proc/{pid}/cmdline") as f:
                 cmdline = f.read().split("\0")
-        except OSError:
+        except OSError:  # the process ended meanwhile
             continue
         role = _role(cmdline)
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[role] = out.get(role, 0.0) + seconds
     return out
