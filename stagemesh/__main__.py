@@ -1,5 +1,5 @@
 import sys
 
-from stagemesh.cli import main
+from stagemesh.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
+from foundation.grpc_core import apply_defaults as apply_grpc_defaults
 from foundation.modelstore import ModelError, fetch_default_model, resolve_model
 from stagemesh import __version__
 from stagemesh.cli_credentials import add_client_tls_args, client_tls_of
@@ -25,6 +26,14 @@ EXIT_INTERRUPTED = 130
 
 Handler = Callable[[argparse.Namespace], int]
 _Number = TypeVar("_Number", int, float)
+
+
+def run() -> int:
+    """The `stagemesh` command (console script and `python -m stagemesh`): gRPC core's
+    settings first (`foundation.grpc_core`: no module has imported grpc yet, and every
+    process this one starts inherits them), then `main`."""
+    apply_grpc_defaults()
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import grpc
@@ -12,9 +13,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from foundation.grpc_core import EXPERIMENTS_ENV, LEGACY_IO
 from protos.stagemesh.v1 import inference_pb2 as pb
 from router.client import RouterClient, build_request
 from tests.mesh.harness import Mesh, readiness, wait_idle
+from tests.processes import child_pids
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +50,18 @@ def test_reflection_lists_services_and_serves_a_dynamic_call(mesh: Mesh) -> None
 
 def test_readiness_serving(mesh: Mesh) -> None:
     assert readiness(mesh.address) == 1
+
+
+def test_every_process_of_the_mesh_starts_grpc_with_its_core_settings(mesh: Mesh) -> None:
+    """`stagemesh` sets gRPC core's experiments before grpc starts (`foundation.grpc_core`),
+    and the processes it starts inherit them (an operator's own value would win)."""
+    want = f"{EXPERIMENTS_ENV}={os.environ.get(EXPERIMENTS_ENV, LEGACY_IO)}".encode()
+    pids = {**mesh.pids, **{f"{role} child {pid}": pid for role in mesh.pids
+                            for pid in child_pids(mesh.pids[role])}}  # the engine core
+    assert len(pids) >= 3  # the router, its engine core, the stage
+    for role, pid in pids.items():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert want in f.read().split(b"\0"), role
 
 
 def test_tokenize_matches_generate_prompt(mesh: Mesh) -> None:
