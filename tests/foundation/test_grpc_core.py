@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from foundation.grpc_core import EXPERIMENTS_ENV, LEGACY_IO, apply_defaults
 
 
@@ -17,3 +20,12 @@ def test_an_operators_value_wins_even_an_empty_one() -> None:
         env = {EXPERIMENTS_ENV: value}
         apply_defaults(env)
         assert env == {EXPERIMENTS_ENV: value}
+
+
+def test_the_command_sets_them_before_anything_imports_grpc() -> None:
+    """`stagemesh.cli.run` applies them before its handlers run: importing the command must
+    not import grpc (gRPC core would start with what the environment said before)."""
+    code = "import sys, stagemesh.cli; print('grpc' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "False"
