@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks.bare_grpc import serve
 from benchmarks.report import cpu_seconds, git_revision, write_json
 from protos.stagemesh.stage.v1 import stage_pb2 as stage_pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc as stage_grpc
@@ -60,20 +61,13 @@ class _Stage(stage_grpc.StageServiceServicer):
                                     sampled_token_ids=_PACKED_32) for p in plans.plans])
 
 
+def _register(server: grpc.aio.Server) -> None:
+    pb_grpc.add_InferenceServiceServicer_to_server(_Streamer(), server)
+    stage_grpc.add_StageServiceServicer_to_server(_Stage(), server)
+
+
 def _serve(port: int, ready: Any) -> None:
-    import uvloop
-
-    async def main() -> None:
-        server = grpc.aio.server()
-        pb_grpc.add_InferenceServiceServicer_to_server(_Streamer(), server)
-        stage_grpc.add_StageServiceServicer_to_server(_Stage(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
-
-    uvloop.install()
-    asyncio.run(main())
+    serve(_register, port, ready)
 
 
 async def _window(count: Callable[[], int], server_pid: int, window_s: float
