@@ -90,6 +90,11 @@ class _Stream(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def abort(self) -> None:
+        """Close now; what is queued is dropped."""
+        if self.transport is not None:
+            self.transport.abort()
+
 
 class _Inbox:
     """Messages in arrival order, with the stream each came on, for one awaiting reader."""
@@ -158,8 +163,8 @@ class CoreEndpoint:
     def forget(self, front: int) -> None:
         """Stop sending to `front` (its process is gone); what is queued for it is dropped."""
         stream = self._fronts.pop(front, None)
-        if stream is not None and stream.transport is not None:
-            stream.transport.abort()
+        if stream is not None:
+            stream.abort()
 
     def send(self, front: int, msg: CoreMessage) -> None:
         """Queue `msg` for `front` (dropped if that front never said hello, or is gone)."""
