@@ -20,6 +20,15 @@ ends inside a character: then the output's first bytes would complete a prompt c
 no context is used. For decoders that strip the first token's leading space (SentencePiece
 "▁"), the stream keeps the space that the prompt context shows, as vLLM does; a one-shot
 decode of the output alone drops it.
+
+The decodes run in the tokenizers library's `DecodeStream` where it can: the same technique
+over the same window (`_tokens` mirrors its state), one native call a push instead of two
+decodes and the Python around them. The rare paths (`flush`, the split of a long held run)
+decode here from the mirrored window; where the stream cannot follow (a tokenizer object
+that is not a `tokenizers.Tokenizer`, a library whose stream steps one id at a time, a
+window whose decode no longer starts with the prefix's, a prefix whose decode ends in
+U+FFFD) the detokenizer goes on in Python from the same state. The deltas are the same
+either way.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
 
@@ -55,11 +65,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens from the text (as `Tokenizer.decode`).
         max_held_tokens: see MAX_HELD_TOKENS (tests lower it to exercise the split); at
             least 4, the tokens one character can span.
+        decode_stream: decode in the library's `DecodeStream` where it can (see the module's
+            docstring); False keeps every decode on the Python path (the same deltas).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True,
-                 max_held_tokens: int = MAX_HELD_TOKENS) -> None:
+                 max_held_tokens: int = MAX_HELD_TOKENS, decode_stream: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._max_held = max(max_held_tokens, _MAX_CONTINUATION_BYTES + 1)
@@ -69,16 +81,30 @@ class IncrementalDetokenizer:
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
         ) if skip_special_tokens else frozenset()
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        if self._decode(context).endswith(REPLACEMENT):
+        text = self._decode(context)
+        if not text or text.endswith(REPLACEMENT):
             # The prompt ends inside a character (or on an undecodable byte): using it as
-            # context would let the output's first bytes complete a prompt character.
-            context = []
-        # Invariant: _tokens is [prefix | held]; _read = len(prefix); _text is the decode of
-        # the prefix, and is settled: no token pushed later changes it, so the window's
-        # decode always starts with it.
+            # context would let the output's first bytes complete a prompt character. A
+            # context that decodes to nothing (skipped special tokens) adds nothing.
+            context, text = [], ""
+        # Invariant: _tokens is [prefix | held]; _read = len(prefix); the prefix's decode is
+        # settled: no token pushed later changes it, so the window's decode always starts
+        # with it. _text is that decode, or None until a Python path needs it (the stream
+        # keeps its own).
         self._tokens = context
         self._read = len(context)
-        self._text = self._decode(context)
+        self._text: str | None = text
+        self._stream = self._open_stream() if decode_stream else None
+
+    @property
+    def uses_decode_stream(self) -> bool:
+        """Whether pushes decode in the library's `DecodeStream` (else on the Python path)."""
+        return self._stream is not None
+
+    @property
+    def window_tokens(self) -> int:
+        """Tokens in the decode window: the prefix and the held tokens."""
+        return len(self._tokens)
 
     def push(self, token_id: int) -> str:
         """Append one output token; return the text that is now final (maybe "")."""
@@ -93,8 +119,24 @@ class IncrementalDetokenizer:
         if not kept:
             return ""
         self._tokens += kept
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._tokenizer, kept)
+            except Exception:  # the window's decode no longer starts with the prefix's
+                self._stream = None
+            else:
+                if text is not None:  # the stream advanced: its window is the held tokens
+                    del self._tokens[:self._read]
+                    self._read, self._text = len(self._tokens), None
+                    return str(text)
+                if len(self._tokens) - self._read <= self._max_held:
+                    return ""
+                delta = self._release_settled(self._decode(self._tokens))
+                if delta:  # the split moved the prefix: restart the stream from it
+                    self._stream = self._open_stream()
+                return delta
         window = self._decode(self._tokens)
-        if len(window) > len(self._text) and not window.endswith(REPLACEMENT):
+        if len(window) > len(self._prefix_text()) and not window.endswith(REPLACEMENT):
             return self._advance(len(self._tokens), window)
         if len(self._tokens) - self._read > self._max_held:
             return self._release_settled(window)
@@ -118,24 +160,54 @@ class IncrementalDetokenizer:
         emitted); those bytes add no text. A split that adds text lies past them, so the
         next window, which starts at the last boundary and decodes them as separate U+FFFDs,
         agrees with a one-shot decode on everything after the split.
+
+        A boundary inside a character that the window completes is not a split: the head's
+        decode ends in U+FFFD where the window's has the character. The boundaries before it
+        are tried (runs of tokens that always end inside a character, as a stream interval
+        of 2 over two-token characters gives, would otherwise hold the text for good).
         """
         for split in range(len(self._tokens) - 1, self._read, -1):
             if len(self._decode(self._tokens[split:])) < _MAX_CONTINUATION_BYTES:
                 continue
             head = self._decode(self._tokens[:split])
-            if len(head) > len(self._text) and window.startswith(head):
+            if len(head) <= len(self._prefix_text()):
+                return ""  # an earlier boundary adds no more text
+            if window.startswith(head):
                 return self._advance(split, head)
-            return ""
         return ""
 
     def _advance(self, read: int, text: str) -> str:
         """Emit `text` (the decode of _tokens[:read]) past the prefix's text; the tokens up to
         `read` past the old prefix become the new prefix."""
-        delta = text[len(self._text):]
+        delta = text[len(self._prefix_text()):]
         del self._tokens[:self._read]
         self._read = read - self._read
         self._text = self._decode(self._tokens[:self._read])
         return delta
+
+    def _prefix_text(self) -> str:
+        """The decode of the prefix (computed here once the stream has moved it)."""
+        if self._text is None:
+            self._text = self._decode(self._tokens[:self._read])
+        return self._text
+
+    def _open_stream(self) -> DecodeStream | None:
+        """A `DecodeStream` in this detokenizer's state (the prefix stepped in, then the held
+        tokens), or None where the stream cannot hold that state: a tokenizer object it
+        does not take, a library whose streams step one id at a time, a prefix whose decode
+        is empty or ends in U+FFFD (the stream would not take it as its prefix)."""
+        if not isinstance(self._tokenizer, Tokenizer):
+            return None
+        stream = DecodeStream(skip_special_tokens=self._skip_special)
+        prefix, held = self._tokens[:self._read], self._tokens[self._read:]
+        try:
+            if prefix and stream.step(self._tokenizer, prefix) is None:
+                return None
+            if held and stream.step(self._tokenizer, held) is not None:
+                return None  # never: the held tokens' text is incomplete, or it was emitted
+        except Exception:  # an older library: a step takes one id, not a list
+            return None
+        return stream
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from foundation.tokenizer import ModelTokenizer
-from router.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from router.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from tests.default_model import default_model_dir
 
 FFFD = "\ufffd"
@@ -285,3 +285,83 @@ def test_leading_space_decoders_keep_the_space_the_prompt_shows() -> None:
     t.decoder = decoders.Metaspace()
     assert _stream(t, [1, 2], prompt=[0]) == [" world", "!", ""]
     assert _stream(t, [1, 2]) == ["world", "!", ""] and t.decode([1, 2]) == "world!"
+
+
+def test_default_tokenizer_decodes_in_the_library_stream(model_tok: ModelTokenizer) -> None:
+    ids = model_tok.encode(" ".join(TEXTS) * 4)
+    d = IncrementalDetokenizer(model_tok.tokenizer, model_tok.encode("a prompt"), True)
+    assert d.uses_decode_stream
+    text = ""
+    for i in range(0, len(ids), 3):
+        text += d.push_many(ids[i:i + 3])
+        assert d.window_tokens <= 2 * (MAX_HELD_TOKENS + 3)
+    assert text + d.flush() == model_tok.decode(ids)
+    assert d.uses_decode_stream
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), skip=st.booleans(), max_held=st.sampled_from([4, 8]))
+def test_stream_and_python_paths_give_the_same_deltas(tok: Tokenizer, byte_ids: list[int],
+                                                       data: st.DataObject, skip: bool,
+                                                       max_held: int) -> None:
+    """The library's DecodeStream and the Python path split a stream into the same deltas,
+    the split of long held runs (a small max_held) included."""
+    vocab = tok.get_vocab_size()
+    prompt = data.draw(_token_ids(vocab, byte_ids, 8), label="prompt")
+    ids = data.draw(_token_ids(vocab, byte_ids, 60), label="output")
+    runs = data.draw(st.lists(st.integers(1, 6), min_size=len(ids), max_size=len(ids)),
+                     label="runs")
+    got = []
+    for native in (True, False):
+        d = IncrementalDetokenizer(tok, prompt, skip, max_held, decode_stream=native)
+        deltas, i = [], 0
+        for n in runs:
+            if i >= len(ids):
+                break
+            deltas.append(d.push_many(ids[i:i + n]))
+            i += n
+        got.append([*deltas, d.flush()])
+    assert got[0] == got[1]
+    assert "".join(got[0]) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_endless_replacement_chars_keep_the_stream_window_short(tok: Tokenizer) -> None:
+    tid = tok.token_to_id("ð")  # a lone lead byte: the text ends in U+FFFD after every token
+    assert tid is not None
+    d = IncrementalDetokenizer(tok, [], True)
+    streamed = ""
+    for _ in range(300):
+        streamed += d.push(tid)
+        assert d.window_tokens <= 2 * MAX_HELD_TOKENS
+    assert streamed + d.flush() == tok.decode([tid] * 300)
+
+
+class _FailingStream:
+    """A DecodeStream whose window stopped starting with its prefix's decode."""
+
+    def step(self, tokenizer: Tokenizer, ids: list[int]) -> str | None:
+        raise Exception("Invalid prefix encountered")  # as the library raises it
+
+
+def test_a_stream_that_fails_hands_over_to_the_python_path(model_tok: ModelTokenizer) -> None:
+    ids = model_tok.encode("Streaming 🎉 goes on after the stream gives up.")
+    d = IncrementalDetokenizer(model_tok.tokenizer, [], True)
+    first = d.push_many(ids[:4])
+    d._stream = _FailingStream()  # type: ignore[assignment]
+    rest = "".join(d.push(t) for t in ids[4:]) + d.flush()
+    assert not d.uses_decode_stream
+    assert first + rest == model_tok.decode(ids)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_runs_that_always_end_inside_a_character_still_stream(model_tok: ModelTokenizer,
+                                                              native: bool) -> None:
+    # 😀 is 3 tokens; after "x" every run of 3 ends inside one, so the window never ends on
+    # a whole character and the text is released by splitting at an earlier boundary.
+    ids = model_tok.encode("x" + "😀" * 60)
+    assert len(ids) == 181
+    d = IncrementalDetokenizer(model_tok.tokenizer, [], True, decode_stream=native)
+    deltas = [d.push_many(ids[i:i + 3]) for i in range(0, len(ids), 3)]
+    assert sum(map(len, deltas[:-1])) >= 50  # streamed, not held until the last run
+    assert "".join(deltas) + d.flush() == model_tok.decode(ids)
+    assert d.window_tokens <= 2 * (MAX_HELD_TOKENS + 3)
