@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -53,15 +53,70 @@ class _SkippedStep(Exception):  # noqa: N818 (not an error: the run ended before
     superseded by a newer Run or a drain."""
 
 
+class _QuietProgress:
+    """How far the worker got on a Run stream of a stage that answers only a failed step
+    (not the last stage): no future and no loop wake-up per step. The worker counts the
+    steps it finished; the loop waits for that count only when it must (the worker's
+    queue is full, or the stream ended and its steps finish first). The first failure is
+    kept, to be answered.
+
+    `submitted` is written by the loop thread only and `finished` by the worker only; a
+    waiter is published before the count is read again, and the worker reads the waiter
+    after counting, so no wake-up is lost (the GIL orders the two).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.submitted = 0
+        self.finished = 0
+        self.failure: asyncio.Future[tuple[int, BaseException]] = loop.create_future()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def step_done(self) -> None:
+        """Worker thread: a step finished (run, failed or skipped)."""
+        self.finished += 1
+        if self._waiter is not None:
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def fail_from_worker(self, step_id: int, error: BaseException) -> None:
+        """Worker thread: step `step_id` failed (the first failure is the one answered)."""
+        self._loop.call_soon_threadsafe(self.fail, step_id, error)
+
+    def fail(self, step_id: int, error: BaseException) -> None:
+        """Loop thread: see `fail_from_worker`; `_SkippedStep` ends the run unanswered."""
+        if not self.failure.done():
+            self.failure.set_result((step_id, error))
+        self._wake()
+
+    @property
+    def backlog(self) -> int:
+        return self.submitted - self.finished
+
+    async def wait_until_backlog(self, most: int) -> None:
+        """Loop thread: until at most `most` steps are unfinished, or the run failed."""
+        while self.backlog > most and not self.failure.done():
+            self._waiter = self._loop.create_future()
+            if self.backlog > most and not self.failure.done():
+                await self._waiter
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
 @dataclass
 class _RunState:
     """One Run stream: its generation, whether its later steps must be skipped, and the
-    outcome of every step queued and not yet answered (by step id)."""
+    outcome of every step queued and not yet answered (by step id); or, for a stage that
+    answers only failures, `quiet` in place of the outcomes."""
 
     generation: int
     settler: _Settler
     stopped: bool = False
     outcomes: dict[int, asyncio.Future[StageOutcome]] = field(default_factory=dict)
+    quiet: _QuietProgress | None = None
 
     def skip_unanswered(self) -> None:
         """Loop thread: every step still waiting ends as skipped (the run is over)."""
@@ -69,6 +124,8 @@ class _RunState:
             if not future.done():
                 future.set_exception(_SkippedStep())
         self.outcomes.clear()
+        if self.quiet is not None:
+            self.quiet.fail(-1, _SkippedStep())
 
 
 def _settle(future: asyncio.Future[StageOutcome], outcome: StageOutcome | None,
@@ -225,18 +282,23 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         and sent (the router sends plans ahead of results); a one-stage pipeline also
         queues step k+1 on the GPU before waiting for step k (`StageLeader.step_overlapped`).
         Only the last stage answers every step (its sampled tokens), the answers that are
-        ready together in one message; the others answer only a step that failed. After a
-        failed step, the steps queued behind it are skipped and the stream ends with that
-        step's error.
+        ready together in one message; the others answer only a step that failed, and
+        their steps wake this loop only then (`_QuietProgress`). After a failed step, the
+        steps queued behind it are skipped and the stream ends with that step's error.
         """
         self._run_generation += 1
         if self._run is not None:  # superseded: its handler stops waiting
             self._run.skip_unanswered()
-        run = self._run = _RunState(self._run_generation,
-                                    _Settler(asyncio.get_running_loop()))
-        epoch = self.leader.links.epoch  # the links this run's steps use
+        loop = asyncio.get_running_loop()
         answers = self.leader.rank.is_last  # others answer only a failed step
+        run = self._run = _RunState(self._run_generation, _Settler(loop),
+                                    quiet=None if answers else _QuietProgress(loop))
+        epoch = self.leader.links.epoch  # the links this run's steps use
         await self._call(self.leader.reset)
+        if run.quiet is not None:
+            async for quiet_answer in self._run_quiet(request_iterator, run, run.quiet, epoch):
+                yield quiet_answer
+            return
         queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
         room = asyncio.Semaphore(MAX_QUEUED_STEPS)
         reader = asyncio.create_task(self._queue_steps(request_iterator, run, queued, room))
@@ -286,6 +348,51 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 dropped = await self._call(self.leader.reset)
                 log.info("run stream closed; dropped %s sequence(s)", dropped)
 
+    async def _run_quiet(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
+                         progress: _QuietProgress, epoch: int) -> AsyncIterator[pb.StepResults]:
+        """`Run` for a stage that answers only a failed step: queue every plan on the
+        worker, then wait for the stream to end (its steps finished) or a step to fail."""
+        reader = asyncio.create_task(self._queue_quiet_steps(requests, run, progress))
+        try:
+            await asyncio.wait((reader, progress.failure), return_when=asyncio.FIRST_COMPLETED)
+            if not progress.failure.done():  # the stream ended: its steps finish first
+                await progress.wait_until_backlog(0)
+            if progress.failure.done():
+                step_id, error = progress.failure.result()
+                if isinstance(error, Exception) and not isinstance(error, _SkippedStep):
+                    yield pb.StepResults(results=[self._failed(step_id, error)])
+        finally:
+            run.stopped = True
+            reader.cancel()
+            if run.generation == self._run_generation:  # the router went: free the worker
+                self.leader.interrupt(epoch, "the Run stream ended")
+            run.skip_unanswered()
+            if run.generation == self._run_generation:
+                dropped = await self._call(self.leader.reset)
+                log.info("run stream closed; dropped %s sequence(s)", dropped)
+
+    async def _queue_quiet_steps(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
+                                 progress: _QuietProgress) -> None:
+        """`_queue_steps` for `_run_quiet`: the backlog bounded by waiting on `progress`; a
+        plan that does not convert fails its step once the steps before it finished."""
+        step_id = -1
+        try:
+            async for plans in requests:
+                for msg in plans.plans:
+                    await progress.wait_until_backlog(MAX_QUEUED_STEPS - 1)
+                    if self._superseded(run) or progress.failure.done():
+                        return
+                    step_id = msg.step_id
+                    plan = plan_from_proto(msg)
+                    progress.submitted += 1
+                    self._submitted += 1
+                    self._worker.submit(self._run_step, run, plan)
+        except grpc.RpcError as e:  # the client went away: the stream ends
+            log.info("run stream: %s", e)
+        except Exception as e:  # a plan that does not convert: that step's error
+            await progress.wait_until_backlog(0)
+            progress.fail(step_id, e)
+
     async def _queue_steps(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
                            queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None],
                            room: asyncio.Semaphore) -> None:
@@ -318,6 +425,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         """Worker thread: `plan`'s step, unless its run stopped, failed or was superseded;
         each outcome (this step's, or an earlier one left pending) settles its future."""
         self._started += 1
+        quiet = run.quiet
 
         def deliver(outcome: StageOutcome) -> None:
             future = run.outcomes.pop(outcome.step_id, None)
@@ -325,10 +433,24 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 run.settler.put(future, outcome, None)
 
         def fail(error: BaseException) -> None:
+            if quiet is not None:
+                if not isinstance(error, _SkippedStep):
+                    quiet.fail_from_worker(plan.step_id, error)
+                return
             future = run.outcomes.pop(plan.step_id, None)
             if future is not None:
                 run.settler.put(future, None, error)
 
+        try:
+            self._step_or_skip(run, plan, deliver, fail)
+        finally:
+            if quiet is not None:
+                quiet.step_done()
+
+    def _step_or_skip(self, run: _RunState, plan: StagePlan,
+                      deliver: Callable[[StageOutcome], None],
+                      fail: Callable[[BaseException], None]) -> None:
+        """Worker thread: `_run_step`'s step (see there)."""
         leader = self.leader
         if run.stopped or self._superseded(run):
             if leader.overlaps:
