@@ -336,17 +336,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if ended:
                     return
         finally:
-            run.stopped = True
-            reader.cancel()
-            if run.generation == self._run_generation:  # the router went: free the worker
-                self.leader.interrupt(epoch, "the Run stream ended")
-            run.skip_unanswered()
             if ahead is not None:
                 ahead[1].add_done_callback(_ignore_result)
             _discard(queued)
-            if run.generation == self._run_generation:
-                dropped = await self._call(self.leader.reset)
-                log.info("run stream closed; dropped %s sequence(s)", dropped)
+            await self._end_run(run, reader, epoch)
 
     async def _run_quiet(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
                          progress: _QuietProgress, epoch: int) -> AsyncIterator[pb.StepResults]:
@@ -362,14 +355,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if isinstance(error, Exception) and not isinstance(error, _SkippedStep):
                     yield pb.StepResults(results=[self._failed(step_id, error)])
         finally:
-            run.stopped = True
-            reader.cancel()
-            if run.generation == self._run_generation:  # the router went: free the worker
-                self.leader.interrupt(epoch, "the Run stream ended")
-            run.skip_unanswered()
-            if run.generation == self._run_generation:
-                dropped = await self._call(self.leader.reset)
-                log.info("run stream closed; dropped %s sequence(s)", dropped)
+            await self._end_run(run, reader, epoch)
+
+    async def _end_run(self, run: _RunState, reader: asyncio.Task[None], epoch: int) -> None:
+        """A Run stream's end, however it ended: its reader stopped, its later steps
+        skipped and, unless a newer Run took over, the worker freed from waiting on the
+        links of `epoch` and the stage's sequences dropped."""
+        run.stopped = True
+        reader.cancel()
+        if run.generation == self._run_generation:  # the router went: free the worker
+            self.leader.interrupt(epoch, "the Run stream ended")
+        run.skip_unanswered()
+        if run.generation == self._run_generation:
+            dropped = await self._call(self.leader.reset)
+            log.info("run stream closed; dropped %s sequence(s)", dropped)
 
     async def _queue_quiet_steps(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
                                  progress: _QuietProgress) -> None:
