@@ -62,15 +62,26 @@ class _QuietProgress:
 
     `submitted` is written by the loop thread only and `finished` by the worker only; a
     waiter is published before the count is read again, and the worker reads the waiter
-    after counting, so no wake-up is lost (the GIL orders the two).
+    after counting, so no wake-up is lost (the GIL orders the two). The worker records a
+    failure before it counts the step, so a loop that sees the step finished sees its
+    failure too, before the loop hears of it (`failed`, then the `failure` event).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.submitted = 0
         self.finished = 0
-        self.failure: asyncio.Future[tuple[int, BaseException]] = loop.create_future()
+        self.first_failure: tuple[int, BaseException] | None = None  # (step id, error)
+        self.failure: asyncio.Future[None] = loop.create_future()  # set once one is kept
         self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.first_failure is not None
+
+    @property
+    def backlog(self) -> int:
+        return self.submitted - self.finished
 
     def step_done(self) -> None:
         """Worker thread: a step finished (run, failed or skipped)."""
@@ -79,26 +90,31 @@ class _QuietProgress:
             self._loop.call_soon_threadsafe(self._wake)
 
     def fail_from_worker(self, step_id: int, error: BaseException) -> None:
-        """Worker thread: step `step_id` failed (the first failure is the one answered)."""
-        self._loop.call_soon_threadsafe(self.fail, step_id, error)
+        """Worker thread: step `step_id` failed (before `step_done` of that step)."""
+        self._record(step_id, error)
+        self._loop.call_soon_threadsafe(self._notify)
 
     def fail(self, step_id: int, error: BaseException) -> None:
-        """Loop thread: see `fail_from_worker`; `_SkippedStep` ends the run unanswered."""
-        if not self.failure.done():
-            self.failure.set_result((step_id, error))
-        self._wake()
-
-    @property
-    def backlog(self) -> int:
-        return self.submitted - self.finished
+        """Loop thread: as `fail_from_worker`; `_SkippedStep` ends the run unanswered."""
+        self._record(step_id, error)
+        self._notify()
 
     async def wait_until_backlog(self, most: int) -> None:
-        """Loop thread: until at most `most` steps are unfinished, or the run failed."""
-        while self.backlog > most and not self.failure.done():
+        """Loop thread: until at most `most` steps are unfinished, or a step failed."""
+        while self.backlog > most and not self.failed:
             self._waiter = self._loop.create_future()
-            if self.backlog > most and not self.failure.done():
+            if self.backlog > most and not self.failed:
                 await self._waiter
             self._waiter = None
+
+    def _record(self, step_id: int, error: BaseException) -> None:
+        if self.first_failure is None:  # the first failure is the one answered
+            self.first_failure = (step_id, error)
+
+    def _notify(self) -> None:
+        if not self.failure.done():
+            self.failure.set_result(None)
+        self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -348,10 +364,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         reader = asyncio.create_task(self._queue_quiet_steps(requests, run, progress))
         try:
             await asyncio.wait((reader, progress.failure), return_when=asyncio.FIRST_COMPLETED)
-            if not progress.failure.done():  # the stream ended: its steps finish first
+            if not progress.failed:  # the stream ended: its steps finish first
                 await progress.wait_until_backlog(0)
-            if progress.failure.done():
-                step_id, error = progress.failure.result()
+            if progress.first_failure is not None:
+                step_id, error = progress.first_failure
                 if isinstance(error, Exception) and not isinstance(error, _SkippedStep):
                     yield pb.StepResults(results=[self._failed(step_id, error)])
         finally:
@@ -379,7 +395,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             async for plans in requests:
                 for msg in plans.plans:
                     await progress.wait_until_backlog(MAX_QUEUED_STEPS - 1)
-                    if self._superseded(run) or progress.failure.done():
+                    if self._superseded(run) or progress.failed:
                         return
                     step_id = msg.step_id
                     plan = plan_from_proto(msg)

@@ -130,12 +130,32 @@ def test_the_backlog_wait_ends_when_the_worker_catches_up() -> None:
 
 
 def test_a_failure_ends_the_backlog_wait() -> None:
-    async def body() -> tuple[int, BaseException]:
+    async def body() -> tuple[int, BaseException] | None:
         progress = _QuietProgress(asyncio.get_running_loop())
         progress.submitted = 3
         threading.Timer(0.05, progress.fail_from_worker, (7, ValueError("boom"))).start()
         await asyncio.wait_for(progress.wait_until_backlog(0), 10)
-        return progress.failure.result()
+        await asyncio.wait_for(progress.failure, 10)
+        return progress.first_failure
 
-    step_id, error = asyncio.run(body())
+    failure = asyncio.run(body())
+    assert failure is not None
+    step_id, error = failure
     assert step_id == 7 and str(error) == "boom"
+
+
+def test_a_failed_step_counted_finished_is_seen_failed_before_the_loop_hears() -> None:
+    """The worker fails the last step and counts it finished before the loop runs its
+    notice: a loop that then finds the backlog empty must still see the failure (it would
+    otherwise end the stream unanswered)."""
+    async def body() -> tuple[int, BaseException] | None:
+        progress = _QuietProgress(asyncio.get_running_loop())
+        progress.submitted = 1
+        progress.fail_from_worker(4, ValueError("late"))  # its notice is not run yet
+        progress.step_done()
+        await progress.wait_until_backlog(0)  # returns at once: nothing unfinished
+        assert not progress.failure.done()
+        return progress.first_failure
+
+    failure = asyncio.run(body())
+    assert failure is not None and failure[0] == 4
