@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,6 +19,14 @@ from stage_worker.dataplane import TransportError, TransportKind
 from stage_worker.leader import StageLeader
 from stage_worker.links import device_id, host_id
 from stage_worker.plan import PlanError, StageOutcome, StagePlan
+from stage_worker.run_state import (
+    QuietProgress,
+    RunState,
+    Settler,
+    SkippedStep,
+    discard,
+    ignore_result,
+)
 from stage_worker.stage_rank import StageRank
 
 log = logging.getLogger("stagemesh.stage")
@@ -33,160 +40,6 @@ _KIND_ENUMS = {TransportKind.TCP: pb.TRANSPORT_TCP, TransportKind.CUDA_IPC: pb.T
 _ENUM_KINDS = {pb.TRANSPORT_UNSPECIFIED: TransportKind.TCP,
                **{enum: kind for kind, enum in _KIND_ENUMS.items()}}
 _ACTIVATION_ROLES = frozenset({pb.LINK_ROLE_LISTEN_UPSTREAM, pb.LINK_ROLE_CONNECT_DOWNSTREAM})
-
-
-def _discard(queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None]) -> None:
-    """Steps queued behind the end of a run: their outcomes (or skips) are not read."""
-    while not queued.empty():
-        item = queued.get_nowait()
-        if item is not None:
-            item[1].add_done_callback(_ignore_result)
-
-
-def _ignore_result(future: asyncio.Future[StageOutcome]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-class _SkippedStep(Exception):  # noqa: N818 (not an error: the run ended before the step)
-    """A queued step whose run stopped (an earlier step failed, the stream closed) or was
-    superseded by a newer Run or a drain."""
-
-
-class _QuietProgress:
-    """How far the worker got on a Run stream of a stage that answers only a failed step
-    (not the last stage): no future and no loop wake-up per step. The worker counts the
-    steps it finished; the loop waits for that count only when it must (the worker's
-    queue is full, or the stream ended and its steps finish first). The first failure is
-    kept, to be answered.
-
-    `submitted` is written by the loop thread only and `finished` by the worker only; a
-    waiter is published before the count is read again, and the worker reads the waiter
-    after counting, so no wake-up is lost (the GIL orders the two). The worker records a
-    failure before it counts the step, so a loop that sees the step finished sees its
-    failure too, before the loop hears of it (`failed`, then the `failure` event).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.submitted = 0
-        self.finished = 0
-        self.first_failure: tuple[int, BaseException] | None = None  # (step id, error)
-        self.failure: asyncio.Future[None] = loop.create_future()  # set once one is kept
-        self._waiter: asyncio.Future[None] | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.first_failure is not None
-
-    @property
-    def backlog(self) -> int:
-        return self.submitted - self.finished
-
-    def step_done(self) -> None:
-        """Worker thread: a step finished (run, failed or skipped)."""
-        self.finished += 1
-        if self._waiter is not None:
-            self._loop.call_soon_threadsafe(self._wake)
-
-    def fail_from_worker(self, step_id: int, error: BaseException) -> None:
-        """Worker thread: step `step_id` failed (before `step_done` of that step)."""
-        self._record(step_id, error)
-        self._loop.call_soon_threadsafe(self._notify)
-
-    def fail(self, step_id: int, error: BaseException) -> None:
-        """Loop thread: as `fail_from_worker`; `_SkippedStep` ends the run unanswered."""
-        self._record(step_id, error)
-        self._notify()
-
-    async def wait_until_backlog(self, most: int) -> None:
-        """Loop thread: until at most `most` steps are unfinished, or a step failed."""
-        while self.backlog > most and not self.failed:
-            self._waiter = self._loop.create_future()
-            if self.backlog > most and not self.failed:
-                await self._waiter
-            self._waiter = None
-
-    def _record(self, step_id: int, error: BaseException) -> None:
-        if self.first_failure is None:  # the first failure is the one answered
-            self.first_failure = (step_id, error)
-
-    def _notify(self) -> None:
-        if not self.failure.done():
-            self.failure.set_result(None)
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-@dataclass
-class _RunState:
-    """One Run stream: its generation, whether its later steps must be skipped, and the
-    outcome of every step queued and not yet answered (by step id); or, for a stage that
-    answers only failures, `quiet` in place of the outcomes."""
-
-    generation: int
-    settler: _Settler
-    stopped: bool = False
-    outcomes: dict[int, asyncio.Future[StageOutcome]] = field(default_factory=dict)
-    quiet: _QuietProgress | None = None
-
-    def skip_unanswered(self) -> None:
-        """Loop thread: every step still waiting ends as skipped (the run is over)."""
-        for future in self.outcomes.values():
-            if not future.done():
-                future.set_exception(_SkippedStep())
-        self.outcomes.clear()
-        if self.quiet is not None:
-            self.quiet.fail(-1, _SkippedStep())
-
-
-def _settle(future: asyncio.Future[StageOutcome], outcome: StageOutcome | None,
-            error: BaseException | None) -> None:
-    """Loop thread: a step's outcome (or error) into its future, unless already settled."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(outcome)  # type: ignore[arg-type]
-
-
-_Settlement = tuple[asyncio.Future[StageOutcome], StageOutcome | None, BaseException | None]
-
-
-class _Settler:
-    """Hands the worker's outcomes to the event loop, one wake-up for all that are ready.
-
-    The worker `put`s; the first put after the loop drained schedules one drain on the loop
-    (a thread-safe call is a syscall and a loop wake-up: per step it cost as much as the
-    rest of a non-last stage's answer path). Relies on the GIL for the deque and the flag:
-    the flag is cleared before the drain reads, so a put racing with a drain at worst
-    schedules one drain that finds nothing.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._ready: deque[_Settlement] = deque()
-        self._scheduled = False
-
-    def put(self, future: asyncio.Future[StageOutcome], outcome: StageOutcome | None,
-            error: BaseException | None) -> None:
-        """Worker thread."""
-        self._ready.append((future, outcome, error))
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self) -> None:
-        """Loop thread."""
-        self._scheduled = False
-        ready = self._ready
-        while ready:
-            _settle(*ready.popleft())
 
 
 @dataclass(frozen=True)
@@ -227,7 +80,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.draining = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-step")
         self._run_generation = 0
-        self._run: _RunState | None = None
+        self._run: RunState | None = None
         # Plans handed to the worker, and plans it started: each written by one thread
         # only, so their difference (the backlog) needs no lock.
         self._submitted = 0
@@ -299,7 +152,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         queues step k+1 on the GPU before waiting for step k (`StageLeader.step_overlapped`).
         Only the last stage answers every step (its sampled tokens), the answers that are
         ready together in one message; the others answer only a step that failed, and
-        their steps wake this loop only then (`_QuietProgress`). After a failed step, the
+        their steps wake this loop only then (`QuietProgress`). After a failed step, the
         steps queued behind it are skipped and the stream ends with that step's error.
         """
         self._run_generation += 1
@@ -307,8 +160,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._run.skip_unanswered()
         loop = asyncio.get_running_loop()
         answers = self.leader.rank.is_last  # others answer only a failed step
-        run = self._run = _RunState(self._run_generation, _Settler(loop),
-                                    quiet=None if answers else _QuietProgress(loop))
+        run = self._run = RunState(self._run_generation, Settler(loop),
+                                    quiet=None if answers else QuietProgress(loop))
         epoch = self.leader.links.epoch  # the links this run's steps use
         await self._call(self.leader.reset)
         if run.quiet is not None:
@@ -330,7 +183,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     step_id, future = item
                     try:
                         outcome = await future
-                    except _SkippedStep:
+                    except SkippedStep:
                         ended = True
                         break
                     except Exception as e:
@@ -353,12 +206,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     return
         finally:
             if ahead is not None:
-                ahead[1].add_done_callback(_ignore_result)
-            _discard(queued)
+                ahead[1].add_done_callback(ignore_result)
+            discard(queued)
             await self._end_run(run, reader, epoch)
 
-    async def _run_quiet(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
-                         progress: _QuietProgress, epoch: int) -> AsyncIterator[pb.StepResults]:
+    async def _run_quiet(self, requests: AsyncIterator[pb.StepPlans], run: RunState,
+                         progress: QuietProgress, epoch: int) -> AsyncIterator[pb.StepResults]:
         """`Run` for a stage that answers only a failed step: queue every plan on the
         worker, then wait for the stream to end (its steps finished) or a step to fail."""
         reader = asyncio.create_task(self._queue_quiet_steps(requests, run, progress))
@@ -368,12 +221,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 await progress.wait_until_backlog(0)
             if progress.first_failure is not None:
                 step_id, error = progress.first_failure
-                if isinstance(error, Exception) and not isinstance(error, _SkippedStep):
+                if isinstance(error, Exception) and not isinstance(error, SkippedStep):
                     yield pb.StepResults(results=[self._failed(step_id, error)])
         finally:
             await self._end_run(run, reader, epoch)
 
-    async def _end_run(self, run: _RunState, reader: asyncio.Task[None], epoch: int) -> None:
+    async def _end_run(self, run: RunState, reader: asyncio.Task[None], epoch: int) -> None:
         """A Run stream's end, however it ended: its reader stopped, its later steps
         skipped and, unless a newer Run took over, the worker freed from waiting on the
         links of `epoch` and the stage's sequences dropped."""
@@ -386,8 +239,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             dropped = await self._call(self.leader.reset)
             log.info("run stream closed; dropped %s sequence(s)", dropped)
 
-    async def _queue_quiet_steps(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
-                                 progress: _QuietProgress) -> None:
+    async def _queue_quiet_steps(self, requests: AsyncIterator[pb.StepPlans], run: RunState,
+                                 progress: QuietProgress) -> None:
         """`_queue_steps` for `_run_quiet`: the backlog bounded by waiting on `progress`; a
         plan that does not convert fails its step once the steps before it finished."""
         step_id = -1
@@ -408,7 +261,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             await progress.wait_until_backlog(0)
             progress.fail(step_id, e)
 
-    async def _queue_steps(self, requests: AsyncIterator[pb.StepPlans], run: _RunState,
+    async def _queue_steps(self, requests: AsyncIterator[pb.StepPlans], run: RunState,
                            queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None],
                            room: asyncio.Semaphore) -> None:
         """Each plan of `requests` onto the worker, in order; None queued at the end."""
@@ -436,7 +289,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         finally:
             queued.put_nowait(None)
 
-    def _run_step(self, run: _RunState, plan: StagePlan) -> None:
+    def _run_step(self, run: RunState, plan: StagePlan) -> None:
         """Worker thread: `plan`'s step, unless its run stopped, failed or was superseded;
         each outcome (this step's, or an earlier one left pending) settles its future."""
         self._started += 1
@@ -449,7 +302,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         def fail(error: BaseException) -> None:
             if quiet is not None:
-                if not isinstance(error, _SkippedStep):
+                if not isinstance(error, SkippedStep):
                     quiet.fail_from_worker(plan.step_id, error)
                 return
             future = run.outcomes.pop(plan.step_id, None)
@@ -462,7 +315,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if quiet is not None:
                 quiet.step_done()
 
-    def _step_or_skip(self, run: _RunState, plan: StagePlan,
+    def _step_or_skip(self, run: RunState, plan: StagePlan,
                       deliver: Callable[[StageOutcome], None],
                       fail: Callable[[BaseException], None]) -> None:
         """Worker thread: `_run_step`'s step (see there)."""
@@ -471,7 +324,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if leader.overlaps:
                 with contextlib.suppress(Exception):  # the run is over either way
                     leader.flush(deliver)
-            fail(_SkippedStep())
+            fail(SkippedStep())
             return
         try:
             if leader.overlaps:
@@ -484,7 +337,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if not isinstance(e, Exception):
                 raise
 
-    def _superseded(self, run: _RunState) -> bool:
+    def _superseded(self, run: RunState) -> bool:
         return run.generation != self._run_generation or self.draining
 
     def _failed(self, step_id: int, e: Exception) -> pb.StepResult:

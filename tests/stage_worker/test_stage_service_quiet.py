@@ -1,6 +1,6 @@
 """A stage that is not the last answers only a failed step: its Run stream wakes the event
 loop for a failure or the stream's end, never per step (`stage_worker.service`'s
-`_QuietProgress`). Stage 0 of 2 here, its activations read by the test on a real
+`QuietProgress`). Stage 0 of 2 here, its activations read by the test on a real
 data-plane link."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from stage_worker.config import StageConfig
 from stage_worker.dataplane import TcpListener, Transport, TransportError
-from stage_worker.service import MAX_QUEUED_STEPS, _QuietProgress
+from stage_worker.run_state import QuietProgress
+from stage_worker.service import MAX_QUEUED_STEPS
 from tests.stage_worker.stage_service_harness import (
     RunStream,
     decodes,
@@ -108,7 +109,7 @@ def test_the_backlog_wait_ends_when_the_worker_catches_up() -> None:
     """The loop waits only while the backlog is over the bound; the worker's counting wakes
     it without a lost wake-up, however the two interleave."""
     async def body() -> list[int]:
-        progress = _QuietProgress(asyncio.get_running_loop())
+        progress = QuietProgress(asyncio.get_running_loop())
         progress.submitted = 40
         seen: list[int] = []
 
@@ -131,7 +132,7 @@ def test_the_backlog_wait_ends_when_the_worker_catches_up() -> None:
 
 def test_a_failure_ends_the_backlog_wait() -> None:
     async def body() -> tuple[int, BaseException] | None:
-        progress = _QuietProgress(asyncio.get_running_loop())
+        progress = QuietProgress(asyncio.get_running_loop())
         progress.submitted = 3
         threading.Timer(0.05, progress.fail_from_worker, (7, ValueError("boom"))).start()
         await asyncio.wait_for(progress.wait_until_backlog(0), 10)
@@ -149,7 +150,7 @@ def test_a_failed_step_counted_finished_is_seen_failed_before_the_loop_hears() -
     notice: a loop that then finds the backlog empty must still see the failure (it would
     otherwise end the stream unanswered)."""
     async def body() -> tuple[int, BaseException] | None:
-        progress = _QuietProgress(asyncio.get_running_loop())
+        progress = QuietProgress(asyncio.get_running_loop())
         progress.submitted = 1
         progress.fail_from_worker(4, ValueError("late"))  # its notice is not run yet
         progress.step_done()
