@@ -174,21 +174,32 @@ def _logprobs(entries: Iterable[pb.TokenLogprob]
                  for lp in entries)
 
 
+_new_object = object.__new__
+
+
 def chunk_from_proto(msg: pb.GenerateResponse) -> Chunk:
+    """The `Chunk` of one streamed update. Runs once per update of every stream (once per
+    token at stream interval 1, and in the gateway for every chunk it relays): the fields
+    that are usually empty are read only when set, and the frozen dataclass is filled in one
+    dict update instead of its ``__init__``'s one ``object.__setattr__`` per field."""
     usage = None
     if msg.HasField("usage"):
         usage = {"prompt_tokens": msg.usage.prompt_tokens,
                  "completion_tokens": msg.usage.completion_tokens,
                  "cached_prompt_tokens": msg.usage.cached_prompt_tokens}
-    logprobs = _logprobs(msg.logprobs)
     kind = msg.WhichOneof("stop_reason")
-    stop_reason = None if kind is None else getattr(msg, kind)
-    return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids),
-                 finish_reason_text(msg.finish_reason), logprobs, usage, msg.prompt_tokens,
-                 stop_reason, _logprobs(msg.prompt_logprobs) if msg.prompt_logprobs else (),
-                 tool_call_pieces(msg) if msg.tool_calls else (),
-                 msg.beam_score if msg.HasField("beam_score") else None,
-                 tuple(msg.prompt_token_ids))
+    chunk = _new_object(Chunk)
+    chunk.__dict__.update(
+        request_id=msg.request_id, index=msg.index, text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        finish_reason=finish_reason_text(msg.finish_reason) if msg.finish_reason else None,
+        logprobs=_logprobs(msg.logprobs) if msg.logprobs else (), usage=usage,
+        prompt_tokens=msg.prompt_tokens, stop_reason=None if kind is None else getattr(msg, kind),
+        prompt_logprobs=_logprobs(msg.prompt_logprobs) if msg.prompt_logprobs else (),
+        tool_calls=tool_call_pieces(msg) if msg.tool_calls else (),
+        beam_score=msg.beam_score if msg.HasField("beam_score") else None,
+        prompt_token_ids=tuple(msg.prompt_token_ids) if msg.prompt_token_ids else ())
+    return chunk
 
 
 class RouterClient:
