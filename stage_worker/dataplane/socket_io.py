@@ -47,7 +47,7 @@ def send_all(
         buffers: flat byte buffers, sent back to back; empty ones are skipped.
         deadline: ``time.monotonic()`` value after which to give up, or None to block until
             everything is queued. With a deadline each ``sendmsg`` is non-blocking
-            (``MSG_DONTWAIT``) and the wait for buffer space is a ``poll``.
+            (``MSG_DONTWAIT``), and only one that finds no buffer space waits, in a ``poll``.
         poller: a poll object with ``sock`` registered for POLLOUT; needed with ``deadline``.
 
     Raises:
@@ -63,12 +63,11 @@ def send_all(
     done = 0
     try:
         while done < total:
-            if deadline is not None:
-                assert poller is not None, "a deadline needs a poller"
-                _wait(poller, deadline, done)
-            try:
+            try:  # with a deadline, non-blocking: most sends find room, and skip the poll
                 sent = sock.sendmsg(pending[:_MAX_IOV], [], flags)
             except BlockingIOError:
+                assert poller is not None and deadline is not None, "a deadline needs a poller"
+                _wait(poller, deadline, done)
                 continue
             done += sent
             if done < total:  # partial write: drop what went out, keep the tail
