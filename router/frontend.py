@@ -205,11 +205,9 @@ class Frontend:
 
     def handle(self, msg: CoreMessage) -> None:
         if isinstance(msg, StepOutputs):
-            if self.metrics is None:
-                self._on_outputs(msg)
-            else:
-                with self.metrics.batch():  # the step's latencies written once
-                    self._on_outputs(msg)
+            self._on_outputs(msg)
+            if self.metrics is not None:
+                self.metrics.publish_itls_due()
         elif isinstance(msg, Refused):
             self._fail_seqs(msg.seq_ids, _REFUSALS.get(msg.status, FailureKind.INTERNAL),
                             msg.message)

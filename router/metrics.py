@@ -9,16 +9,15 @@ registry is given (tests read them from one).
 
 Fronts record what clients see of a request (`FrontMetrics`); the core records the
 scheduler, the steps and recoveries (`CoreMetrics`), its gauges and counters refreshed once a
-second from the scheduler's own counts (nothing per token on the core's loop).
+second from the scheduler's own counts (nothing per token on the core's loop). What comes
+once per step or per token (inter-token and step latencies) is held in a list and written
+in batches: every write to the multi-process store is a locked mmap write.
 docs/OBSERVABILITY.md lists every metric.
 """
 
 from __future__ import annotations
 
-import contextlib
-from bisect import bisect_left
-from collections import Counter as Tally
-from collections.abc import Iterator, Sequence
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -28,24 +27,13 @@ from foundation.metrics import (
     STEP_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
+    observe_many,
 )
 from router.scheduler.scheduler import SchedulerStats
 
-
-def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
-    """`histogram.observe(v)` for every v of `values`, with one write per bucket touched and
-    one to the sum. In the multi-process store every write is a locked mmap write, and at
-    --stream-interval 1 the front observes one value per token per stream. The bucket
-    counts come out as observing them one by one; the sum to rounding (added once). Reads
-    prometheus_client's `_sum`, `_buckets` and `_upper_bounds` (a test holds this to
-    `observe`)."""
-    if not values:
-        return
-    histogram._raise_if_not_observable()
-    histogram._sum.inc(sum(values))
-    bounds, buckets = histogram._upper_bounds, histogram._buckets
-    for i, n in Tally(bisect_left(bounds, v) for v in values).items():  # v <= bounds[i]
-        buckets[i].inc(n)
+PUBLISH_STEPS = 64  # step latencies the core holds at most before writing them
+PUBLISH_LATENCIES = 512  # inter-token latencies a front holds at most
+PUBLISH_PERIOD_S = 1.0  # a front writes the ones it holds at least this often while it streams
 
 
 class FrontMetrics:
@@ -61,7 +49,8 @@ class FrontMetrics:
                              "Time between a request's streamed updates after the first (one "
                              "per token at --stream-interval 1)",
                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self._itl_held: list[float] | None = None  # inside `batch`
+        self._itl_held: list[float] = []  # not yet in `itl` (see `observe_itl`)
+        self._itl_published = time.monotonic()
         self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (output tokens - 1)",
                               buckets=TOKEN_LATENCY_BUCKETS, registry=r)
@@ -81,23 +70,24 @@ class FrontMetrics:
                                 registry=r)
 
     def observe_itl(self, seconds: float) -> None:
-        """One inter-token latency: held until the end of a `batch`, else observed now."""
-        if self._itl_held is not None:
-            self._itl_held.append(seconds)
-        else:
-            self.itl.observe(seconds)
+        """One inter-token latency, held: the front writes them in batches, at most
+        `PUBLISH_LATENCIES` at a time, at the end of a request (`note_end`), and after a
+        step's outputs once a second has passed since the last write (`publish_itls_due`),
+        so a scrape sees them at most about a second late."""
+        held = self._itl_held
+        held.append(seconds)
+        if len(held) >= PUBLISH_LATENCIES:
+            self.publish_itls()
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """The inter-token latencies of one step's updates go to the histogram together, at
-        the end (`observe_many`)."""
-        held: list[float] = []
-        self._itl_held = held
-        try:
-            yield
-        finally:
-            self._itl_held = None
-            observe_many(self.itl, held)
+    def publish_itls_due(self) -> None:
+        """The held latencies, if a second has passed since they were last written."""
+        if self._itl_held and time.monotonic() - self._itl_published >= PUBLISH_PERIOD_S:
+            self.publish_itls()
+
+    def publish_itls(self) -> None:
+        held, self._itl_held = self._itl_held, []
+        self._itl_published = time.monotonic()
+        observe_many(self.itl, held)
 
 
 class CoreMetrics:
@@ -132,6 +122,23 @@ class CoreMetrics:
                                           "pipeline failure to the pipeline serving again",
                                           buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self._seen = (0, 0, 0, 0)  # prefix queries, hits, preemptions, steps already counted
+        self._held_latencies: list[float] = []  # step latencies not yet in `step_latency`
+
+    def observe_step(self, seconds: float, idle: bool = False) -> None:
+        """A step's latency, held: written with the others of a batch (`publish_steps`),
+        here once `PUBLISH_STEPS` are held or when `idle` (no other step in flight). Each
+        write to the multi-process store is a locked mmap write, once per step on the
+        core's loop otherwise."""
+        held = self._held_latencies
+        held.append(seconds)
+        if idle or len(held) >= PUBLISH_STEPS:
+            self.publish_steps()
+
+    def publish_steps(self) -> None:
+        """The held step latencies into `step_latency` (the core calls this when no step is
+        in flight, and from its once-a-second refresh)."""
+        held, self._held_latencies = self._held_latencies, []
+        observe_many(self.step_latency, held)
 
     def refresh(self, stats: SchedulerStats, steps: int) -> None:
         """Gauges from the scheduler's snapshot; counters by what grew since the last call."""

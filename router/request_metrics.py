@@ -34,6 +34,7 @@ def note_update(metrics: FrontMetrics, state: RequestState) -> None:
 def note_end(metrics: FrontMetrics, state: RequestState, last: StreamItem | None) -> None:
     """The request ends: completed (`RequestDone`), failed, or aborted (None)."""
     metrics.e2e.observe(time.monotonic() - state.arrived)
+    metrics.publish_itls()  # its inter-token latencies are all counted once it ends
     metrics.generation_tokens.inc(state.completion_tokens)
     if isinstance(last, RequestFailed):
         metrics.failures.labels(last.kind.value).inc()

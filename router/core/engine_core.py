@@ -304,7 +304,7 @@ class EngineCore:
     def _on_outcome(self, outcome: StepOutcome) -> None:
         sent = self._sent_at.pop(outcome.step_id, None)
         if self.metrics is not None and sent is not None:
-            self.metrics.step_latency.observe(time.monotonic() - sent)
+            self.metrics.observe_step(time.monotonic() - sent, idle=not self._sent_at)
         scheduler = self.scheduler
         assert scheduler is not None
         update = scheduler.update(outcome.step_id, outcome.tokens)
@@ -351,6 +351,7 @@ class EngineCore:
             self._publish_state()
             if self.metrics is not None and self.scheduler is not None:
                 self.metrics.refresh(self.scheduler.stats(), self.steps)
+                self.metrics.publish_steps()
             if not self._sent_at or self.pipeline.state is not PipelineState.READY:
                 continue
             oldest = min(self._sent_at)
