@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from bisect import bisect_left
 from collections import Counter as Tally
 from collections.abc import Sequence
@@ -37,9 +38,9 @@ STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 
 def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     """`histogram.observe(v)` for every v of `values`, with one write per bucket touched and
-    one to the sum. In the multi-process store every write is a locked mmap write; the
-    front observes a step's inter-token latencies this way, and stages and the engine core
-    their held per-step figures. The bucket counts come out as observing them one by one;
+    one to the sum. In the multi-process store every write is a locked mmap write; fronts,
+    the engine core and stages write their held latencies and per-step figures this way
+    (`HeldObservations`). The bucket counts come out as observing them one by one;
     the sum to rounding (added once). Reads prometheus_client's `_sum`, `_buckets` and
     `_upper_bounds` (a test holds this to `observe`)."""
     if not values:
@@ -50,6 +51,34 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     for i, n in Tally(bisect_left(bounds, v) for v in values).items():  # v <= bounds[i]
         buckets[i].inc(n)
 
+
+
+class HeldObservations:
+    """Values for one histogram, held in a list and written in batches (`observe_many`):
+    once `limit` are held, or when the owner calls `publish` (or `publish_if_older`). For
+    one thread: the loop of the process that records them."""
+
+    def __init__(self, histogram: Histogram, limit: int) -> None:
+        self.histogram = histogram
+        self.limit = limit
+        self._values: list[float] = []
+        self._published = time.monotonic()
+
+    def add(self, value: float) -> None:
+        values = self._values
+        values.append(value)
+        if len(values) >= self.limit:
+            self.publish()
+
+    def publish(self) -> None:
+        values, self._values = self._values, []
+        self._published = time.monotonic()
+        observe_many(self.histogram, values)
+
+    def publish_if_older(self, seconds: float) -> None:
+        """`publish`, if values are held and the last write was `seconds` ago or more."""
+        if self._values and time.monotonic() - self._published >= seconds:
+            self.publish()
 
 @dataclass
 class MetricsServer:

@@ -17,8 +17,6 @@ docs/OBSERVABILITY.md lists every metric.
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from foundation.metrics import (
@@ -27,7 +25,7 @@ from foundation.metrics import (
     STEP_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
-    observe_many,
+    HeldObservations,
 )
 from router.scheduler.scheduler import SchedulerStats
 
@@ -49,8 +47,7 @@ class FrontMetrics:
                              "Time between a request's streamed updates after the first (one "
                              "per token at --stream-interval 1)",
                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self._itl_held: list[float] = []  # not yet in `itl` (see `observe_itl`)
-        self._itl_published = time.monotonic()
+        self._itl_held = HeldObservations(self.itl, PUBLISH_LATENCIES)  # see `observe_itl`
         self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (output tokens - 1)",
                               buckets=TOKEN_LATENCY_BUCKETS, registry=r)
@@ -74,20 +71,14 @@ class FrontMetrics:
         `PUBLISH_LATENCIES` at a time, at the end of a request (`note_end`), and after a
         step's outputs once a second has passed since the last write (`publish_itls_due`),
         so a scrape sees them at most about a second late."""
-        held = self._itl_held
-        held.append(seconds)
-        if len(held) >= PUBLISH_LATENCIES:
-            self.publish_itls()
+        self._itl_held.add(seconds)
 
     def publish_itls_due(self) -> None:
         """The held latencies, if a second has passed since they were last written."""
-        if self._itl_held and time.monotonic() - self._itl_published >= PUBLISH_PERIOD_S:
-            self.publish_itls()
+        self._itl_held.publish_if_older(PUBLISH_PERIOD_S)
 
     def publish_itls(self) -> None:
-        held, self._itl_held = self._itl_held, []
-        self._itl_published = time.monotonic()
-        observe_many(self.itl, held)
+        self._itl_held.publish()
 
 
 class CoreMetrics:
@@ -122,23 +113,21 @@ class CoreMetrics:
                                           "pipeline failure to the pipeline serving again",
                                           buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self._seen = (0, 0, 0, 0)  # prefix queries, hits, preemptions, steps already counted
-        self._held_latencies: list[float] = []  # step latencies not yet in `step_latency`
+        self._held_latencies = HeldObservations(self.step_latency, PUBLISH_STEPS)
 
     def observe_step(self, seconds: float, idle: bool = False) -> None:
         """A step's latency, held: written with the others of a batch (`publish_steps`),
         here once `PUBLISH_STEPS` are held or when `idle` (no other step in flight). Each
         write to the multi-process store is a locked mmap write, once per step on the
         core's loop otherwise."""
-        held = self._held_latencies
-        held.append(seconds)
-        if idle or len(held) >= PUBLISH_STEPS:
-            self.publish_steps()
+        self._held_latencies.add(seconds)
+        if idle:
+            self._held_latencies.publish()
 
     def publish_steps(self) -> None:
         """The held step latencies into `step_latency` (the core calls this when no step is
         in flight, and from its once-a-second refresh)."""
-        held, self._held_latencies = self._held_latencies, []
-        observe_many(self.step_latency, held)
+        self._held_latencies.publish()
 
     def refresh(self, stats: SchedulerStats, steps: int) -> None:
         """Gauges from the scheduler's snapshot; counters by what grew since the last call."""

@@ -11,7 +11,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-import router.metrics
+import foundation.metrics
 from foundation.metrics import TOKEN_LATENCY_BUCKETS, observe_many
 from router.metrics import (
     PUBLISH_LATENCIES,
@@ -60,7 +60,7 @@ def test_a_fronts_latencies_are_held_then_written_whole(monkeypatch: pytest.Monk
     metrics = FrontMetrics(registry)
     count = (NAME + "_count", "")
     now = [100.0]
-    monkeypatch.setattr(router.metrics.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(foundation.metrics.time, "monotonic", lambda: now[0])
     metrics.publish_itls()  # the clock starts here
     for _ in range(PUBLISH_LATENCIES - 1):
         metrics.observe_itl(0.01)
