@@ -4,9 +4,11 @@ activations per hop) and streaming tokens to clients. 64 sequences decode; steps
 from the router's step counter over a window of steady decoding, for 1 and 2 stages in
 the same run. Beside it, each part's CPU per step over the same window (from /proc: the
 router's front 0, its engine core, each stage, and this process as the client), which
-varies far less between runs on a shared machine than steps/s does, and, before and after
-the run, the machine's Python speed (`report.python_ns_per_op`): W6 is bound by Python on
-the CPU, so runs on other machines, or other hours of a shared VM, compare only beside it.
+varies far less between runs on a shared machine than steps/s does, each part's wake-ups a
+step (a thread that blocked and was woken; on a machine of few cores a wake-up costs more
+than most of the code it runs), and, before and after the run, the machine's Python speed
+(`report.python_ns_per_op`): W6 is bound by Python on the CPU, so runs on other machines,
+or other hours of a shared VM, compare only beside it.
 
 The stages keep a micro-batch each in flight (`--micro-batches`, default one per stage, as W6
 has run since it was defined), although serve's own default on one machine's cores is one
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import datetime as dt
 import functools
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,7 +34,9 @@ from benchmarks.report import (
     git_revision,
     print_table,
     process_cpu,
+    process_wakeups,
     python_ns_per_op,
+    wakeups,
     write_json,
 )
 from router.client import RouterClient
@@ -42,11 +47,13 @@ NUM_BLOCKS, BLOCK_SIZE = 8192, 16
 
 async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window_s: float,
                         settle_s: float = 0.5,
-                        cpu: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
+                        cpu: Callable[[], dict[str, float]] = dict,
+                        woken: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
     """Keep one sequence decoding per entry of `requests` (`RouterClient.generate` keyword
     arguments; each is submitted again when it ends). Once all run and `settle_s` more has
-    passed: the router's steps, the tokens streamed and the CPU seconds by part (`cpu()`,
-    plus this process as "client") over `window_s`."""
+    passed: the router's steps, the tokens streamed, the CPU seconds by part (`cpu()`, plus
+    this process as "client") and the wake-ups by part (`woken()`, the same) over
+    `window_s`."""
     async with RouterClient(address) as client:
         tokens = 0
 
@@ -63,31 +70,39 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
             await asyncio.sleep(settle_s)
             s0, t0, k0 = (await client.stats()).steps, time.perf_counter(), tokens
             c0 = {**cpu(), "client": time.process_time()}
+            w0 = {**woken(), "client": wakeups(os.getpid())}
             await asyncio.sleep(window_s)
             c1 = {**cpu(), "client": time.process_time()}
+            w1 = {**woken(), "client": wakeups(os.getpid())}
             s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     return {"steps": s1 - s0, "seconds": t1 - t0, "tokens": k1 - k0,
-            "cpu_s": {part: c1[part] - c0.get(part, 0.0) for part in sorted(c1)}}
+            "cpu_s": {part: c1[part] - c0.get(part, 0.0) for part in sorted(c1)},
+            "wakeups": {part: w1[part] - w0.get(part, 0) for part in sorted(w1)}}
 
 
 async def measure(address: str, seqs: int, window_s: float,
-                  cpu: Callable[[], dict[str, float]]) -> dict[str, Any]:
+                  cpu: Callable[[], dict[str, float]],
+                  woken: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
     """W6: `seqs` sequences decoding (`steady_decode`); steps/s, tokens streamed per second
-    and each part's CPU per step. A request is as long as the KV pool lets every sequence
-    be (no preemption)."""
+    and each part's CPU and wake-ups per step. A request is as long as the KV pool lets every
+    sequence be (no preemption)."""
     max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
     requests = [dict(prompt=f"request {i}", max_tokens=max_tokens, ignore_eos=True,
                      temperature=0.0) for i in range(seqs)]
-    got = await steady_decode(address, requests, window_s, cpu=cpu)
+    got = await steady_decode(address, requests, window_s, cpu=cpu, woken=woken)
+    steps = max(got["steps"], 1)
     steps_s = got["steps"] / got["seconds"]
-    cpu_us = {part: round(s * 1e6 / max(got["steps"], 1)) for part, s in got["cpu_s"].items()}
+    cpu_us = {part: round(s * 1e6 / steps) for part, s in got["cpu_s"].items()}
+    woke = {part: round(n / steps, 2) for part, n in got["wakeups"].items()}
     return {"steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
             "tokens_per_s": got["tokens"] / got["seconds"],
-            "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us}
+            "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us,
+            "wakeups_per_step": round(sum(woke.values()), 2),
+            "wakeups_per_step_by_part": woke}
 
 
 def micro_batches(asked: int, stages: int) -> int:
@@ -131,7 +146,8 @@ def main() -> None:
                   "--micro-batches", str(mb),
                   *(["--no-metrics"] if args.no_metrics else []), *args.extra.split()) as mesh:
             cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
-            result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu))
+            woken = functools.partial(process_wakeups, mesh.proc.proc.pid)
+            result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu, woken))
         rows.append({"stages": p, "micro_batches": mb, **result})
         print(rows[-1], flush=True)
     config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)
@@ -139,9 +155,10 @@ def main() -> None:
     for r in rows:
         r["vs_first"] = r["steps_per_s"] / base
     write_json(args.out, config, rows)
-    print_table([{k: v for k, v in r.items() if k != "cpu_us_per_step_by_part"} for r in rows])
+    print_table([{k: v for k, v in r.items() if not k.endswith("_by_part")} for r in rows])
     for r in rows:
         print(f"{r['stages']} stage(s), CPU µs per step:", r["cpu_us_per_step_by_part"])
+        print(f"{r['stages']} stage(s), wake-ups per step:", r["wakeups_per_step_by_part"])
     print("this machine's Python speed, ns per op of `report.python_ns_per_op` (before / "
           f"after): {config['python_ns_per_op_before']} / {config['python_ns_per_op_after']}")
 

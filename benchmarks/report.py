@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,10 +120,35 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wakeups(pid: int) -> int:
+    """Voluntary context switches so far of every thread of process `pid`: how many times one
+    of its threads blocked (a poll, a lock, a sleep) and was woken, from /proc (Linux)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                status = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += int(status.split("voluntary_ctxt_switches:", 1)[1].split(None, 1)[0])
+    return total
+
+
 def process_cpu(root: int) -> dict[str, float]:
     """CPU seconds (user + system) used so far by `root` and every process under it, summed
     by role ("router" is its front 0, "engine core", "stage 0", ...), from /proc (Linux).
     Two calls around a run give each part's CPU over it."""
+    return _by_role(root, cpu_seconds)
+
+
+def process_wakeups(root: int) -> dict[str, float]:
+    """`wakeups` of `root` and every process under it, summed by role as `process_cpu`'s.
+    Two calls around a run give each part's wake-ups over it."""
+    return _by_role(root, wakeups)
+
+
+def _by_role(root: int, count: Callable[[int], float]) -> dict[str, float]:
+    """`count(pid)` of `root` and every process under it, summed by `_role`."""
     parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -141,11 +167,11 @@ def process_cpu(root: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for pid in tree:
         try:
-            seconds = cpu_seconds(pid)
+            value = count(pid)
             with open(f"/proc/{pid}/cmdline") as f:
                 cmdline = f.read().split("\0")
         except OSError:  # the process ended meanwhile
             continue
         role = _role(cmdline)
-        out[role] = out.get(role, 0.0) + seconds
+        out[role] = out.get(role, 0.0) + value
     return out
