@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from foundation.modelstore import DEFAULT_MODEL
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc
 from tests.default_model import default_model_dir
@@ -22,7 +23,7 @@ from tests.mesh.harness import Mesh, wait_idle
 
 pytestmark = pytest.mark.slow
 
-MODEL = default_model_dir().name  # the served name
+MODEL = DEFAULT_MODEL.name  # the served name (known without fetching the model)
 
 CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
