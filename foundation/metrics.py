@@ -52,7 +52,6 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
         buckets[i].inc(n)
 
 
-
 class HeldObservations:
     """Values for one histogram, held in a list and written in batches (`observe_many`):
     once `limit` are held, or when the owner calls `publish` (or `publish_if_older`). For
@@ -79,6 +78,7 @@ class HeldObservations:
         """`publish`, if values are held and the last write was `seconds` ago or more."""
         if self._values and time.monotonic() - self._published >= seconds:
             self.publish()
+
 
 @dataclass
 class MetricsServer:
