@@ -149,5 +149,13 @@ class SamplingParams:
                 raise SamplingParamsError(e.field, e.message) from None
 
 
+def seed_int64(seed: int) -> int:
+    """`seed` as the signed 64-bit integer equal to it modulo 2**64, which a proto's int64
+    carries. A seeded draw depends on its seed modulo 2**64 only, so the two draw alike; and
+    a request's seed plus its choice index, or a seed in [2**63, 2**64), stays sendable."""
+    bits = seed & ((1 << 64) - 1)
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
 def _fail(field: str, what: str) -> NoReturn:
     raise SamplingParamsError(field, f"{field} {what}")

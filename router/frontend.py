@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from foundation.sampling_params import seed_int64
 from foundation.tokenizer import ModelTokenizer
 from router.choice import ChoiceState
 from router.core.channel import FrontEndpoint
@@ -131,7 +132,7 @@ class Frontend:
             params = replace(params, banned_until_min=tuple(sorted(stop_ids)))
         sampling = [params] * req.n
         if params.seed is not None:  # choices of one seeded request must differ
-            sampling = [replace(params, seed=params.seed + i) for i in range(req.n)]
+            sampling = [replace(params, seed=seed_int64(params.seed + i)) for i in range(req.n)]
         state = RequestState(req, {
             seq: ChoiceState(i, seq, self.tokenizer.tokenizer, req.prompt_token_ids, req.stop,
                              req.include_stop_str_in_output, req.skip_special_tokens,

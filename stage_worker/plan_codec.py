@@ -34,7 +34,7 @@ from itertools import accumulate
 
 import torch
 
-from foundation.sampling_params import SamplingParams
+from foundation.sampling_params import SamplingParams, seed_int64
 from stage_worker.plan import StageCachedSeq, StageNewSeq, StagePlan
 
 CODEC_VERSION = 3
@@ -129,8 +129,7 @@ def _new_row(s: StageNewSeq) -> list[int]:
     if p is None:
         return head + [0] * (NEW_COLUMNS - len(head))
     seed_kind = 0 if p.seed is None else (1 if p.seed >= 0 else 2)
-    seed_bits = 0 if p.seed is None else p.seed & _MASK64
-    seed_bits -= (1 << 64) if seed_bits >= 1 << 63 else 0  # as a signed int64
+    seed_bits = 0 if p.seed is None else seed_int64(p.seed)
     floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
               p.frequency_penalty)
     return head + [1, p.top_k, seed_kind, seed_bits,

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from itertools import chain
 
-from foundation.sampling_params import SamplingParams
+from foundation.sampling_params import SamplingParams, seed_int64
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
 from router.pipeline.outcome import PromptScores, StepOutcome
@@ -29,7 +29,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=p.frequency_penalty,
     )
     if p.seed is not None:
-        msg.seed = p.seed
+        msg.seed = seed_int64(p.seed)  # int64 on the wire; draws read it modulo 2**64
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:

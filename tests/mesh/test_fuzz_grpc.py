@@ -7,12 +7,14 @@ call (no KV block held on the router or any stage)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import subprocess
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from foundation.modelstore import DEFAULT_MODEL
@@ -36,10 +38,28 @@ FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "prese
 
 
 @pytest.fixture(scope="module")
-def stub() -> Iterator[inference_pb2_grpc.InferenceServiceStub]:
+def mesh() -> Iterator[Mesh]:
     with Mesh("--model", str(default_model_dir()), "--stages", "2", "--model-impl", "null",
               "--num-blocks", "256", "--max-model-len", "128") as mesh:
-        yield mesh.stub()
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def stub(mesh: Mesh) -> inference_pb2_grpc.InferenceServiceStub:
+    return mesh.stub()
+
+
+def _ending(mesh: Mesh, code: grpc.StatusCode) -> str:
+    """After UNAVAILABLE, how the mesh's output ends once it exited (a request that takes it
+    down is a bug whose cause is there); "" while it runs."""
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        mesh.proc.proc.wait(30)  # serve takes a moment to stop every process
+    if mesh.proc.proc.poll() is None:
+        return ""
+    return f"\nthe mesh exited ({mesh.proc.proc.returncode}); its output ends:\n" + \
+        mesh.proc.output[-6000:]
 
 
 _wild_floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
@@ -97,14 +117,17 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.data_too_large])
 @given(req=requests())
+# Found by this test: choice 1 of seed 2**63 - 1 drew from 2**63, which took the core down.
+@example(req=pb.GenerateRequest(text="x", n=2, sampling=pb.SamplingParams(seed=2**63 - 1)))
 def test_any_request_is_answered_or_refused_clearly(
-        stub: inference_pb2_grpc.InferenceServiceStub, req: pb.GenerateRequest) -> None:
+        mesh: Mesh, stub: inference_pb2_grpc.InferenceServiceStub, req: pb.GenerateRequest
+) -> None:
     try:
         responses = list(stub.Generate(req, timeout=60))
     except grpc.RpcError as e:
         code, details = e.code(), e.details() or ""
         event(code.name)
-        assert code in CLIENT_ERRORS, (code, details, req)
+        assert code in CLIENT_ERRORS, (code, details, req, _ending(mesh, code))
         assert details and any(f in details for f in FIELDS), (code, details, req)
     else:
         event("OK")

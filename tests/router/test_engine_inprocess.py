@@ -379,3 +379,19 @@ def test_default_model_stop_strings_end_choices_with_and_without_run_ahead(
             await wait_idle(client, mesh.stage_sequences)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -1, -(2**63)])
+def test_choices_of_a_seed_at_the_edge_of_int64_are_served(model_dir: Path, seed: int) -> None:
+    # Choice i draws from seed + i, which passes 2**63 - 1: the stages get it modulo 2**64
+    # as an int64 (the same draws), never a value the stage proto cannot hold.
+    async def run() -> None:
+        async with in_process_mesh(null_stages(model_dir, 2)) as mesh, \
+                mesh.client() as client:
+            out = await client.complete(prompt="seeded", max_tokens=4, n=3, seed=seed,
+                                        temperature=1.0, ignore_eos=True, timeout=30)
+            assert out.finish_reasons == ["length"] * 3
+            assert [len(ids) for ids in out.token_ids] == [4] * 3
+            await wait_idle(client, mesh.stage_sequences)
+
+    asyncio.run(run())

@@ -19,8 +19,9 @@ from foundation.sampling_params import SamplingParams
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.outputs import TokenLogprob
 from router.pipeline import Pipeline, PipelineError
-from router.pipeline.convert import outcome_from_result, plans_to_protos
+from router.pipeline.convert import outcome_from_result, plans_to_protos, sampling_to_proto
 from router.scheduler import CachedSeq, NewSeq, StepPlan
+from stage_worker.sampling import noise_seed
 from tests.default_model import default_model_dir
 from tests.stage_worker.serving import stage_configs, start_stage
 
@@ -81,6 +82,14 @@ def _result(step_id: int, seq_ids: list[int], token_ids: list[int],
     return pb.StepResult(step_id=step_id, tokens=logprobs or [],
                          sampled_seq_ids=array("q", seq_ids).tobytes(),
                          sampled_token_ids=array("q", token_ids).tobytes())
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63)])
+def test_a_seed_reaches_the_stages_as_the_int64_that_draws_alike(seed: int) -> None:
+    # Any seed SamplingParams accepts ([-2**63, 2**64)) fits the stage proto's int64.
+    sent = sampling_to_proto(SamplingParams(temperature=1.0, seed=seed)).seed
+    assert -(2**63) <= sent < 2**63 and (sent - seed) % 2**64 == 0
+    assert [noise_seed(sent, k) for k in range(4)] == [noise_seed(seed, k) for k in range(4)]
 
 
 def test_a_result_decodes_to_tokens_and_only_the_asked_logprobs() -> None:
