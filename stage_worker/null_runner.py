@@ -5,7 +5,7 @@ No weights are loaded and no KV pool exists. Activations have the right shape an
 fills them, which at a hundred rows would run on torch's intra-op threads; passed through
 by the others), and the last stage "samples" token (seq_id + tokens already output) mod
 vocab_size for every sampling sequence, so a client can check which step produced which
-token (log probability 0.0 where asked).
+token (log probability 0.0 where asked; its top alternatives the ids after it).
 """
 
 from __future__ import annotations
@@ -79,5 +79,10 @@ class NullRunner(ModelRunner):
         n = len(seqs)
         if wants.count(None) == n:
             return StepSample.of(seq_ids, ids, wants)
-        zeros = (torch.zeros(n), torch.zeros(n, 0, dtype=torch.int64), torch.zeros(n, 0))
-        return StepSample.of(seq_ids, ids, wants, zeros)  # logprobs 0.0, no alternatives
+        # The sampled id is the most likely (log probability 0.0); its k alternatives are
+        # it and the ids after it, at 0.0, -1.0, -2.0, ... (beam search reads them).
+        k = max(w for w in wants if w is not None)
+        offsets = torch.arange(k)
+        top_ids = (ids.unsqueeze(1) + offsets) % vocab
+        top_lps = (-offsets.to(torch.float32)).expand(n, k)
+        return StepSample.of(seq_ids, ids, wants, (torch.zeros(n), top_ids, top_lps))

@@ -34,7 +34,9 @@ CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "frequency_penalty", "seed", "max_tokens", "n", "logprobs", "stop", "stop_token_ids",
           "token_ids", "messages", "text", "model", "role", "prompt", "vocabulary", "request",
-          "priority", "content", "chat", "input")
+          "priority", "content", "chat", "input", "min_tokens", "logit_bias",
+          "structured_output", "tool", "request_id", "truncate_prompt_tokens",
+          "prompt_logprobs", "beam", "length_penalty", "early_stopping")
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +89,19 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
             st.lists(st.tuples(role, _text), max_size=3)))
         if draw(st.booleans()):
             req.chat.add_generation_prompt = draw(st.booleans())
+        req.chat.tools.extend(draw(st.lists(st.builds(
+            pb.Tool, name=_mix(st.sampled_from(["get_weather", "add"]), st.text(max_size=8)),
+            description=st.text(max_size=12),
+            parameters=_mix(st.sampled_from(["", '{"type": "object"}']), st.text(max_size=20))),
+            max_size=2)))
+        if req.chat.tools and draw(st.booleans()):
+            if draw(st.booleans()):
+                req.tool_choice.mode = draw(st.integers(0, 4))  # 4: no such mode
+            else:
+                req.tool_choice.function = draw(_mix(st.just(req.chat.tools[0].name),
+                                                     st.text(max_size=8)))
+            if draw(st.booleans()):
+                req.parallel_tool_calls = draw(st.booleans())
     valid = {"temperature": st.floats(0, 2, width=32),
              "top_p": st.floats(0, 1, width=32, exclude_min=True),
              "min_p": st.floats(0, 1, width=32),
@@ -100,6 +115,14 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
         req.sampling.top_k = draw(_mix(st.integers(-1, 50), _wild_counts))
     if draw(st.booleans()):
         req.sampling.seed = draw(st.integers(-(2**63), 2**63 - 1))
+    if draw(st.integers(0, 3)) == 0:
+        req.sampling.min_tokens = draw(_mix(st.integers(0, 24), _wild_counts))
+    if draw(st.integers(0, 3)) == 0:
+        req.sampling.logit_bias.update(draw(st.dictionaries(
+            _mix(st.integers(0, 49151), st.integers(-(2**62), 2**62)),
+            _mix(st.floats(-100, 100, width=32), _wild_floats), max_size=3)))
+    if draw(st.integers(0, 5)) == 0:
+        req.sampling.structured_output.CopyFrom(draw(_structured()))
     for name, strategy in (("max_tokens", st.integers(1, 24)), ("n", st.integers(1, 3)),
                            ("logprobs", st.integers(0, 5))):
         if draw(st.booleans()):
@@ -111,7 +134,50 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
     req.ignore_eos = draw(st.booleans())
     req.priority = draw(st.integers(-(2**31), 2**31 - 1))
     req.include_stop_str_in_output = draw(st.booleans())
+    if draw(st.booleans()):
+        req.skip_special_tokens = draw(st.booleans())
+    req.request_id = draw(st.one_of(st.just(""), st.text(max_size=12), st.text(max_size=300)))
+    for name, strategy in (("truncate_prompt_tokens", st.integers(1, 16)),
+                           ("prompt_logprobs", st.integers(0, 5))):
+        if draw(st.integers(0, 3)) == 0:
+            setattr(req, name, draw(_mix(strategy, _wild_counts)))
+    if draw(st.integers(0, 5)) == 0:
+        if draw(st.booleans()):  # beam search refuses sampling settings: often none
+            req.ClearField("sampling")
+            del req.stop[:], req.stop_token_ids[:]
+            req.ClearField("logprobs")
+        beam = req.beam_search
+        beam.SetInParent()
+        if draw(st.booleans()):
+            beam.beam_width = draw(_mix(st.integers(1, 4), _wild_counts))
+        if draw(st.booleans()):
+            beam.length_penalty = draw(_mix(st.floats(-2, 2, width=32), _wild_floats))
+        beam.early_stopping = draw(st.integers(0, 3))  # 3: no such value
     return req
+
+
+_SCHEMAS = ['{"type": "object"}', '{"type": "string", "maxLength": 3}', '{"enum": ["a", "b"]}',
+            '{"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}']
+
+
+@st.composite
+def _structured(draw: st.DrawFn) -> pb.StructuredOutput:
+    out = pb.StructuredOutput()
+    kind = draw(st.sampled_from(["json_object", "json_schema", "regex", "choice", "grammar"]))
+    if kind == "json_object":
+        out.json_object = draw(st.booleans())
+    elif kind == "json_schema":
+        out.json_schema = draw(_mix(st.sampled_from(_SCHEMAS), st.text(max_size=30)))
+    elif kind == "regex":
+        out.regex = draw(_mix(st.sampled_from(["[ab]{1,3}", "x+", "(yes|no)"]),
+                              st.text(max_size=12)))
+    elif kind == "choice":
+        out.choice.options.extend(draw(st.lists(
+            _mix(st.text(min_size=1, max_size=6), st.text(max_size=6)), max_size=4)))
+    else:
+        out.grammar = draw(_mix(st.sampled_from(['root ::= "a" | "b"', 'start: "x"+']),
+                                st.text(max_size=20)))
+    return out
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
