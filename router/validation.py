@@ -10,7 +10,7 @@ Limits (vLLM / OpenAI-like; sampling ranges live in `SamplingParams.validate`):
   [0, max_logprobs]; max_tokens in [1, max_tokens_cap]; n in [1, max_n]; priority fits int32
   (the gRPC field's type); stop strings non-empty, at most max_stop_sequences of at most
   max_stop_len characters; stop token ids and prompt token ids in [0, vocab_size).
-  Beam search: width in [n, min(max_n, max_logprobs // 2)], finite length_penalty, every
+  Beam search: width in [n, min(max_n, max_logprobs // 2)], length_penalty in [-5, 5], every
   sampling field neutral (temperature 0), no stop strings or stop token ids.
 
 Cheap checks run before the prompt is tokenized, so a bad request costs no tokenizer work.
@@ -18,7 +18,6 @@ Cheap checks run before the prompt is tokenized, so a bad request costs no token
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NoReturn, Protocol
@@ -118,6 +117,10 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
 
 # Sampling fields beam search cannot honour, with their neutral values: the beams are
 # ranked by the model's raw log probabilities, which these would not change.
+# A hypothesis scores sum_logprobs / len**length_penalty: within this bound the score is
+# finite as a float32 (the API's beam_score) for any length up to 2**20 tokens.
+MAX_ABS_LENGTH_PENALTY = 5.0
+
 _BEAM_NEUTRAL = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0),
                  ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
                  ("frequency_penalty", 0.0), ("min_tokens", 0), ("logit_bias", ()),
@@ -138,9 +141,11 @@ def validate_beam(raw: RawGenerateRequest, limits: RequestLimits) -> BeamSearchP
     if not raw.n <= width <= top:
         _fail("beam_search.beam_width", f"beam_search.beam_width must be between n "
                                         f"({raw.n}) and {top}, got {width}")
-    if not math.isfinite(raw.beam.length_penalty):
-        _fail("beam_search.length_penalty", "beam_search.length_penalty must be finite, "
-                                            f"got {raw.beam.length_penalty}")
+    if not abs(raw.beam.length_penalty) <= MAX_ABS_LENGTH_PENALTY:  # NaN too
+        _fail("beam_search.length_penalty", "beam_search.length_penalty must be a finite "
+                                            f"number in [-{MAX_ABS_LENGTH_PENALTY:g}, "
+                                            f"{MAX_ABS_LENGTH_PENALTY:g}], got "
+                                            f"{raw.beam.length_penalty}")
     for name, neutral in _BEAM_NEUTRAL:
         value = getattr(raw.sampling, name, neutral)
         if value != neutral:

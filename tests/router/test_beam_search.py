@@ -123,6 +123,8 @@ def test_validation_fills_the_width_and_names_each_refused_field() -> None:
         ({"beam": BeamSearchParams(6)}, "beam_search.beam_width", "and 5, got 6"),
         ({"beam": BeamSearchParams(2), "n": 3}, "beam_search.beam_width", "between n (3)"),
         ({"beam": BeamSearchParams(2, float("nan"))}, "beam_search.length_penalty", "finite"),
+        ({"beam": BeamSearchParams(2, 3.2e16)}, "beam_search.length_penalty", "[-5, 5]"),
+        ({"beam": BeamSearchParams(2, -5.5)}, "beam_search.length_penalty", "got -5.5"),
         ({"sampling": SamplingParams(temperature=1.0)}, "temperature", "1.0"),
         ({"sampling": SamplingParams(temperature=0.0, top_k=5)}, "top_k", "5"),
         ({"sampling": SamplingParams(temperature=0.0, logit_bias=((5, 1.0),))}, "logit_bias",
