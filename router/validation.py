@@ -115,12 +115,12 @@ def validate_request(raw: RawGenerateRequest, limits: RequestLimits,
     )
 
 
-# Sampling fields beam search cannot honour, with their neutral values: the beams are
-# ranked by the model's raw log probabilities, which these would not change.
 # A hypothesis scores sum_logprobs / len**length_penalty: within this bound the score is
 # finite as a float32 (the API's beam_score) for any length up to 2**20 tokens.
 MAX_ABS_LENGTH_PENALTY = 5.0
 
+# Sampling fields beam search cannot honour, with their neutral values: the beams are
+# ranked by the model's raw log probabilities, which these would not change.
 _BEAM_NEUTRAL = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0),
                  ("repetition_penalty", 1.0), ("presence_penalty", 0.0),
                  ("frequency_penalty", 0.0), ("min_tokens", 0), ("logit_bias", ()),
