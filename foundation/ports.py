@@ -36,9 +36,16 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def reserve(*ports: int) -> None:
+    """Ports this process has promised elsewhere (a service's own --port, told to a child
+    that binds it later): `free_port` never returns them. 0 (no port) is ignored."""
+    _handed_out.update(p for p in ports if p)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now, outside the ephemeral range, not returned before
-    by this process. Another process may still take it before the caller binds it."""
+    """A port nothing listens on right now, outside the ephemeral range, neither returned
+    before by this process nor `reserve`d in it. Another process may still take it before
+    the caller binds it."""
     high = _ephemeral_low() - 1
     if high > _LOWEST:
         rng = random.SystemRandom()
@@ -47,6 +54,10 @@ def free_port(host: str = "127.0.0.1") -> int:
             if port not in _handed_out and _bindable(host, port):
                 _handed_out.add(port)
                 return port
-    with socket.socket() as s:  # no room below the ephemeral range: let the kernel pick
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    while True:  # no room below the ephemeral range: let the kernel pick
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port

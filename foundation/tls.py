@@ -5,6 +5,8 @@ one-line error naming the flag. Under a service mesh its proxies provide mTLS in
 
 from __future__ import annotations
 
+import errno
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +100,30 @@ def add_port(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | Non
     except RuntimeError as e:
         raise ListenError(f"cannot listen on {listen}: the port is in use or the address is "
                           "not one of this machine's; choose another --host/--port") from e
+
+
+def refuse_if_taken(host: str, port: int) -> None:
+    """Raise ListenError when a socket already holds `host:port`.
+
+    For a listener that sets SO_REUSEPORT (the router's fronts share their port): its own
+    bind succeeds beside any other reuse-port listener of the same user on that port, such
+    as another router's, and the kernel then splits the connections between the two. A
+    plain bind beside it fails instead. Port 0 (any free one) is never taken; an address
+    that does not resolve is left to `add_port` to name.
+    """
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(sockaddr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ListenError(f"cannot listen on {host}:{port}: the port is in use; "
+                                      "choose another --host/--port") from None

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2
 
 from foundation.api_keys import ApiKeys
 from foundation.metrics import use_multiprocess_dir
-from foundation.tls import ServerTls, add_port
+from foundation.tls import ServerTls, add_port, refuse_if_taken
 from foundation.tokenizer import ModelTokenizer
 from router.audit import AuditLog
 from router.auth import api_key_interceptor
@@ -136,6 +136,8 @@ class FrontServer:
         ready), the API (UNAVAILABLE until the core sent the served model). Returns the
         bound port. Raises ListenError."""
         self.set_health(ready=False)
+        if self.cfg.front_id == 0:  # the first to bind: the port must be free, not shared
+            refuse_if_taken(self.cfg.host, self.cfg.port)
         port = add_port(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
         await self.server.start()
         self._tasks = [

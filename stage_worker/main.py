@@ -120,9 +120,12 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
         servicer = stage_servicer(cfg, tp)
     interceptors = [BearerInterceptor(ApiKeys([stage_token]), PAIRED_PREFIX, NOT_PAIRED)
                     ] if stage_token else []
+    # No SO_REUSEPORT (gRPC's default on Linux): a port another server holds, a router's
+    # fronts or another stage, is refused at bind, never shared with it.
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0)])
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     health_srv = health_servicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_srv, server)

@@ -26,7 +26,7 @@ from pathlib import Path
 from foundation.grpc_auth import STAGE_TOKEN_ENV
 from foundation.model_config import ModelConfig
 from foundation.modelstore import resolve_model
-from foundation.ports import free_port
+from foundation.ports import free_port, reserve
 from stage_worker.partition import partition_layers
 from stagemesh.placement import auto_layers
 
@@ -186,6 +186,10 @@ def build_children(args: argparse.Namespace, workdir: Path,
     pairing = {STAGE_TOKEN_ENV: os.environ.get(STAGE_TOKEN_ENV) or secrets.token_urlsafe(32)}
     children = []
     stage_addresses = []
+    # The router's and the gateway's own ports bind later, in their processes: the ports
+    # picked for the other children must not be one of them.
+    reserve(args.port, args.gateway_port)
+
     def metrics(host: str) -> tuple[list[str], str]:
         """The flag and URL of a child's metrics endpoint on a free port (none with
         --no-metrics). A restarted child keeps its port."""
@@ -270,8 +274,10 @@ def build_children(args: argparse.Namespace, workdir: Path,
     return children
 
 
-def _wait_ready(children: list[Child], deadline: float) -> None:
-    while not all(c.ready() for c in children):
+def _wait_ready(children: list[Child], deadline: float, stop: dict[str, int]) -> None:
+    """Until every child is ready or a signal came (`stop`). Raises RuntimeError when a
+    child exits first or the deadline passes."""
+    while not all(c.ready() for c in children) and not stop["signal"]:
         for c in children:
             assert c.proc is not None
             if c.proc.poll() is not None:
@@ -315,17 +321,19 @@ def launch(args: argparse.Namespace, api_keys: frozenset[str] = frozenset()) -> 
     signal.signal(signal.SIGINT, on_signal)
     with tempfile.TemporaryDirectory(prefix="stagemesh-") as tmp:
         children = build_children(args, Path(tmp), api_keys)
-        try:
-            for c in children:
-                c.start()
-            _wait_ready(children, time.monotonic() + READY_TIMEOUT_S)
-            _print_endpoints(children, args)
-            _supervise(children, stop)
-        except RuntimeError as e:
-            print(f"stagemesh serve: {e}", file=sys.stderr)
+        try:  # whatever ends serve (an error, a signal, a closed stdout), its children stop
+            try:
+                for c in children:
+                    c.start()
+                _wait_ready(children, time.monotonic() + READY_TIMEOUT_S, stop)
+                if not stop["signal"]:
+                    _print_endpoints(children, args)
+                    _supervise(children, stop)
+            except RuntimeError as e:
+                print(f"stagemesh serve: {e}", file=sys.stderr, flush=True)
+                return 1
+        finally:
             _stop(children, args.drain_timeout + STOP_MARGIN_S)
-            return 1
-        _stop(children, args.drain_timeout + STOP_MARGIN_S)
     print("stagemesh serve: stopped", file=sys.stderr)
     return 0
 

@@ -82,7 +82,11 @@ class Mesh:
         argv = [sys.executable, "-m", "stagemesh", "serve", "--port", str(self.port),
                 "--gateway-port", str(gateway_port or 0), "--device", "cpu", *flags]
         self.proc = Proc(argv)
-        self.proc.wait_for(r"stagemesh ready", timeout)
+        try:
+            self.proc.wait_for(r"stagemesh ready", timeout)
+        except BaseException:  # no mesh left behind by a start that failed or was cut
+            self.proc.stop(timeout=30)
+            raise
         self.address = f"127.0.0.1:{self.port}"
         self.gateway_url = f"http://127.0.0.1:{gateway_port}" if gateway_port else None
         self.pids = {m.group(1): int(m.group(2)) for m in (

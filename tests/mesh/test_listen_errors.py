@@ -1,5 +1,7 @@
 """A service whose port is taken ends with one line naming the address, exit status 1, and
-no process left behind (a stage's TP ranks included)."""
+no process left behind (a stage's TP ranks included); also when the port's holder set
+SO_REUSEPORT, as a gRPC server does by default, beside which a reuse-port bind would
+succeed and share the port's connections with it."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ from tests.default_model import default_model_dir
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "reuse-port"])
 @pytest.mark.parametrize("role", ["stage", "router"])
-def test_a_taken_port_is_a_one_line_error(role: str) -> None:
+def test_a_taken_port_is_a_one_line_error(role: str, reuse_port: bool) -> None:
     with socket.socket() as taken:
+        if reuse_port:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]

@@ -1,11 +1,13 @@
 """SIGTERM: the router drains (readiness NOT_SERVING, new requests UNAVAILABLE, in-flight
-ones finish), and `stagemesh serve` stops every process it started, TP ranks included."""
+ones finish), and `stagemesh serve` stops every process it started, TP ranks included;
+also when the signal comes while the mesh is still starting."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import grpc
 import pytest
 
 from router.client import RouterClient
-from tests.mesh.harness import Mesh, readiness
+from tests.default_model import default_model_dir
+from tests.mesh.harness import Mesh, Proc, free_port, readiness
 from tests.processes import child_pids
 
 pytestmark = pytest.mark.slow
@@ -78,6 +81,29 @@ def test_sigterm_drains_then_stops_every_process() -> None:
         assert (finished, total) == ("length", LONG)  # and it finished whole
     finally:
         mesh.close()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if _alive(p)] == []
+
+
+def test_sigterm_while_starting_stops_every_process_without_waiting_for_ready() -> None:
+    """serve signalled while its stages load stops them and the router and exits at
+    once; it does not wait for the mesh to come up first."""
+    proc = Proc([sys.executable, "-m", "stagemesh", "serve", "--model", str(default_model_dir()),
+                 "--port", str(free_port()), "--gateway-port", "0", "--device", "cpu",
+                 "--stages", "2", "--num-blocks", "256"])
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids := child_pids(proc.proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)  # two stages and the router started, none ready yet
+        assert len(kids) == 3, proc.output
+        pids = [p for kid in kids for p in (kid, *child_pids(kid))]
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=60) == 0, proc.output
+    finally:
+        proc.stop(timeout=10)
+    assert "stagemesh ready" not in proc.output, proc.output
     deadline = time.monotonic() + 30
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
