@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
+from foundation.tls import ListenError, refuse_if_taken
 from foundation.tracing import setup_tracing
 from gateway.app import GatewayApp
 from gateway.config import GatewayConfig
@@ -37,6 +38,9 @@ def _bound_address(server: uvicorn.Server) -> str:
 
 
 async def serve_gateway(cfg: GatewayConfig, ready_file: Path | None = None) -> int:
+    """Serve until SIGTERM/SIGINT. Raises ListenError when the port is taken (checked
+    first: uvicorn's own bind failure ends its task with a SystemExit and a traceback)."""
+    refuse_if_taken(cfg.host, cfg.port)
     config = uvicorn.Config(
         GatewayApp(cfg), host=cfg.host, port=cfg.port, loop="none", http="httptools",
         lifespan="on", access_log=False, log_level="warning",
@@ -73,4 +77,8 @@ def run_gateway(cfg: GatewayConfig, ready_file: Path | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
         pass
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(serve_gateway(cfg, ready_file))
+        try:
+            return runner.run(serve_gateway(cfg, ready_file))
+        except ListenError as e:
+            log.error("%s", e)
+            return 1

@@ -1,7 +1,7 @@
-"""A service whose port is taken ends with one line naming the address, exit status 1, and
-no process left behind (a stage's TP ranks included); also when the port's holder set
-SO_REUSEPORT, as a gRPC server does by default, beside which a reuse-port bind would
-succeed and share the port's connections with it."""
+"""A service (stage, router, gateway) whose port is taken ends with one line naming the
+address, exit status 1, and no process left behind (a stage's TP ranks included); also
+when the port's holder set SO_REUSEPORT, as a gRPC server does by default, beside which a
+reuse-port bind would succeed and share the port's connections with it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "reuse-port"])
-@pytest.mark.parametrize("role", ["stage", "router"])
+@pytest.mark.parametrize("role", ["stage", "router", "gateway"])
 def test_a_taken_port_is_a_one_line_error(role: str, reuse_port: bool) -> None:
     with socket.socket() as taken:
         if reuse_port:
@@ -26,10 +26,12 @@ def test_a_taken_port_is_a_one_line_error(role: str, reuse_port: bool) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        extra = {"stage": ["--device", "cpu", "--num-blocks", "16", "--tp", "2"],
-                 "router": ["--stages", "127.0.0.1:1"]}[role]
-        proc = Proc([sys.executable, "-m", "stagemesh", role, "--model",
-                     str(default_model_dir()), "--port", str(port), *extra])
+        model = str(default_model_dir())
+        flags = {"stage": ["--model", model, "--device", "cpu", "--num-blocks", "16",
+                           "--tp", "2"],
+                 "router": ["--model", model, "--stages", "127.0.0.1:1"],
+                 "gateway": ["--tokenizer", model, "--router", "127.0.0.1:1"]}[role]
+        proc = Proc([sys.executable, "-m", "stagemesh", role, "--port", str(port), *flags])
         try:
             assert proc.proc.wait(timeout=120) == 1
             with pytest.raises(ProcessLookupError):  # its process group is empty
