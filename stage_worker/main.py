@@ -88,7 +88,7 @@ def stage_servicer(cfg: StageConfig, tp: TPGroup) -> StageServicer:
 
 def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> None:
     """Record the stage's metrics and serve them on cfg.metrics_port (a daemon thread for
-    the life of the process). Raises OSError if it cannot bind."""
+    the life of the process). Raises ListenError if it cannot bind."""
     from prometheus_client import CollectorRegistry
 
     leader, identity = servicer.leader, servicer.identity
@@ -99,7 +99,11 @@ def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> None:
         device=str(leader.rank.shape.device), tp_size=cfg.tp_size,
         kv_blocks_used=lambda: held.kv_blocks_used,
         kv_blocks_total=lambda: identity.num_kv_blocks, sequences=lambda: len(held.seqs))
-    server = serve_metrics(registry, cfg.metrics_port or 0, cfg.host)
+    try:
+        server = serve_metrics(registry, cfg.metrics_port or 0, cfg.host)
+    except OSError as e:
+        raise ListenError(f"--metrics-port: cannot listen on {cfg.host}:{cfg.metrics_port}: "
+                          f"{e}") from None
     log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
 
 
@@ -117,7 +121,11 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
         init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
         ranks, beats = spawn_tp_ranks(cfg, init_url)
         tp = init_tp_group(0, cfg.tp_size, init_url, distributed_backend(rank_device(cfg, 0)))
-        servicer = stage_servicer(cfg, tp)
+        try:
+            servicer = stage_servicer(cfg, tp)
+        except ListenError:  # the metrics port
+            _stop_ranks(ranks)
+            raise
     interceptors = [BearerInterceptor(ApiKeys([stage_token]), PAIRED_PREFIX, NOT_PAIRED)
                     ] if stage_token else []
     # No SO_REUSEPORT (gRPC's default on Linux): a port another server holds, a router's

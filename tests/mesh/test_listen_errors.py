@@ -1,7 +1,8 @@
 """A service (stage, router, gateway) whose port is taken ends with one line naming the
 address, exit status 1, and no process left behind (a stage's TP ranks included); also
 when the port's holder set SO_REUSEPORT, as a gRPC server does by default, beside which a
-reuse-port bind would succeed and share the port's connections with it."""
+reuse-port bind would succeed and share the port's connections with it. The same for a
+taken --metrics-port."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from stagemesh.local_mesh import Proc
+from stagemesh.local_mesh import Proc, free_port
 from tests.default_model import default_model_dir
 
 pytestmark = pytest.mark.slow
@@ -39,4 +40,25 @@ def test_a_taken_port_is_a_one_line_error(role: str, reuse_port: bool) -> None:
         finally:
             proc.stop(timeout=10)
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in proc.output
+    assert "Traceback" not in proc.output, proc.output
+
+
+@pytest.mark.parametrize("role", ["stage", "router"])
+def test_a_taken_metrics_port_is_a_one_line_error(role: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        model = str(default_model_dir())
+        flags = {"stage": ["--device", "cpu", "--num-blocks", "16", "--tp", "2"],
+                 "router": ["--stages", "127.0.0.1:1"]}[role]
+        proc = Proc([sys.executable, "-m", "stagemesh", role, "--model", model,
+                     "--port", str(free_port()), "--metrics-port", str(port), *flags])
+        try:
+            assert proc.proc.wait(timeout=120) == 1
+            with pytest.raises(ProcessLookupError):  # its process group is empty
+                os.killpg(proc.proc.pid, 0)
+        finally:
+            proc.stop(timeout=10)
+    assert f"--metrics-port: cannot listen on 127.0.0.1:{port}" in proc.output
     assert "Traceback" not in proc.output, proc.output
