@@ -47,6 +47,10 @@ def plan_capacity(cfg: CoreConfig, model: ModelConfig, shape: PipelineShape) -> 
         log.warning("the model attends over a sliding window of %d tokens, which stagemesh "
                     "does not implement: its context is capped at the window (exact up to "
                     "there)", model.sliding_window)
+    if cfg.max_model_len > context:
+        log.warning("--max-model-len %d exceeds the model's context of %d tokens (its "
+                    "max_position_embeddings): capped at %d", cfg.max_model_len, context,
+                    context)
     if cfg.max_model_len:
         context = min(context, cfg.max_model_len)
     micro_batches = _micro_batches(cfg, shape)
