@@ -131,5 +131,8 @@ class StageClient:
 def describe_error(e: BaseException) -> str:
     """A one-line account of a failed call or pipeline error."""
     if isinstance(e, grpc.aio.AioRpcError):
+        if e.code() is grpc.StatusCode.UNIMPLEMENTED:  # a server, but not a stage of ours
+            return (f"UNIMPLEMENTED: {e.details()}: the server there is not a stagemesh "
+                    "stage of this version (another service on that port?); check --stages")
         return f"{e.code().name}: {e.details()}"
     return str(e)

@@ -104,3 +104,21 @@ def test_a_pipeline_start_never_outlives_its_budget_on_a_silent_stage() -> None:
             return took
 
     assert asyncio.run(body()) < 2.5
+
+
+def test_a_server_that_is_no_stage_is_named_as_such() -> None:
+    """A --stages address where another gRPC service listens (the router's own port, say)
+    answers UNIMPLEMENTED: the start's error says that server is not a stage."""
+    from router.pipeline.driver import Pipeline
+
+    async def body() -> None:
+        add = lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(  # noqa: E731
+            inference_pb2_grpc.InferenceServiceServicer(), s)
+        async with _serving(add) as address:
+            pipeline = Pipeline([address], connect_timeout_s=10.0)
+            with pytest.raises(PipelineError, match=f"stage 0 at {address}: UNIMPLEMENTED: .*"
+                               "the server there is not a stagemesh stage"):
+                await pipeline.start(1.0)
+            await pipeline.close(drain=False)
+
+    asyncio.run(body())
