@@ -20,6 +20,7 @@ from stagemesh import __version__
 from stagemesh.cli_credentials import add_client_tls_args, client_tls_of
 from stagemesh.cli_gateway import add_gateway
 from stagemesh.cli_services import add_service_commands
+from stagemesh.supervised import die_with_supervisor
 
 EXIT_MODEL_ERROR = 2  # also argparse's status for bad arguments: "the input was unusable"
 EXIT_INTERRUPTED = 130
@@ -31,8 +32,10 @@ _Number = TypeVar("_Number", int, float)
 def run() -> int:
     """The `stagemesh` command (console script and `python -m stagemesh`): gRPC core's
     settings first (`foundation.grpc_core`: no module has imported grpc yet, and every
-    process this one starts inherits them), then `main`."""
+    process this one starts inherits them), then, in a process `stagemesh serve` started,
+    its end tied to serve's (`stagemesh.supervised`), then `main`."""
     apply_grpc_defaults()
+    die_with_supervisor()
     return main()
 
 

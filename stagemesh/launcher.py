@@ -29,6 +29,7 @@ from foundation.modelstore import resolve_model
 from foundation.ports import free_port, reserve
 from stage_worker.partition import partition_layers
 from stagemesh.placement import auto_layers
+from stagemesh.supervised import supervisor_env
 
 READY_TIMEOUT_S = 600.0
 
@@ -69,7 +70,8 @@ class Child:
         self.ready_file.unlink(missing_ok=True)
         self.started_at = time.monotonic()
         self.restart_at = None
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env},
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env,
+                                                     **supervisor_env()},
                                      start_new_session=True)
 
     def schedule_restart(self, now: float) -> float:

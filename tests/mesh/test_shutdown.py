@@ -1,10 +1,12 @@
 """SIGTERM: the router drains (readiness NOT_SERVING, new requests UNAVAILABLE, in-flight
 ones finish), and `stagemesh serve` stops every process it started, TP ranks included;
-also when the signal comes while the mesh is still starting."""
+also when the signal comes while the mesh is still starting; and when serve itself is
+SIGKILLed, every process it started ends by itself."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -108,3 +110,23 @@ def test_sigterm_while_starting_stops_every_process_without_waiting_for_ready() 
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [p for p in pids if _alive(p)] == []
+
+
+def test_a_killed_serve_takes_every_process_it_started_with_it() -> None:
+    """serve SIGKILLed (or taken by the OOM killer) runs no code of its own: its router,
+    stages, TP ranks and gateway end by themselves, as on a SIGTERM to serve."""
+    mesh = Mesh("--stages", "2", "--tp", "2", "--model-impl", "null", "--num-blocks", "256",
+                gateway_port=free_port())
+    try:
+        pids = [p for kid in child_pids(mesh.proc.proc.pid) for p in (kid, *child_pids(kid))]
+        assert len(pids) >= 7, pids  # router, its core, 2 stage leaders, 2 TP ranks, gateway
+        os.kill(mesh.proc.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in pids if _alive(p)] == []
+    finally:
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        mesh.close()
