@@ -1,7 +1,8 @@
 """The flags and argument types more than one `stagemesh` service command declares.
 
 This module owns what `stage`, `router`, `serve` and `gateway` share on the command line: the
-environment fallbacks (`env`, `env_int`), the argument types (`at_least_one`, a layer split),
+environment fallbacks (`env`, `env_int`), the argument types (`whole`, `at_least_one`, `port`,
+`seconds`, `positive_seconds`, a layer split),
 and the flags that mean the same on every command that has them: the model, its
 implementation, fp8 quantization, activation compression, tracing and the metrics port. A
 command's own flags stay in its module (`cli_stage`, `cli_services`, `cli_gateway`);
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import TypeAlias
 
 SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -35,7 +37,7 @@ def add_tracing_arg(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_metrics_port_arg(p: argparse.ArgumentParser, env: str, what: str) -> None:
-    p.add_argument("--metrics-port", type=int, default=env_int(env),
+    p.add_argument("--metrics-port", type=port, default=env_int(env),
                    help=f"serve Prometheus metrics{what} at http://HOST:PORT/metrics (0: any "
                         f"free port; default: none) [${env}]")
 
@@ -68,13 +70,37 @@ def add_drain_timeout_arg(p: argparse.ArgumentParser, what: str, more: str = "")
                         "(default: %(default)s)")
 
 
-def at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+def positive_seconds(text: str) -> float:
+    """A duration that must pass before something is given up: more than 0 seconds."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+def whole(least: int) -> Callable[[str], int]:
+    """The argument type of a count or size flag: a whole number, `least` or more (the
+    message names the bound; argparse adds the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
+
+    return parse
+
+
+at_least_one = whole(1)
+
+
+def port(text: str) -> int:
+    """A TCP port flag: 0 to 65535 (0: any free port, where the flag says so)."""
+    value = whole(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535, got {value}")
     return value
 
 

@@ -14,6 +14,8 @@ from stagemesh.cli_flags import (
     add_tracing_arg,
     at_least_one,
     env,
+    port,
+    positive_seconds,
 )
 
 if TYPE_CHECKING:
@@ -28,7 +30,7 @@ def add_gateway(commands: SubParsers) -> None:
                    help="the router's gRPC address [$STAGEMESH_ROUTER]")
     p.add_argument("--host", default=env("STAGEMESH_GATEWAY_HOST", "127.0.0.1"),
                    help="HTTP listener address [$STAGEMESH_GATEWAY_HOST]")
-    p.add_argument("--port", type=int, default=int(env("STAGEMESH_GATEWAY_PORT", "8000")),
+    p.add_argument("--port", type=port, default=int(env("STAGEMESH_GATEWAY_PORT", "8000")),
                    help="HTTP port, 0 = any free one [$STAGEMESH_GATEWAY_PORT]")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="write the bound host:port here once serving")
@@ -37,7 +39,7 @@ def add_gateway(commands: SubParsers) -> None:
     p.add_argument("--router-api-key", default=env("STAGEMESH_ROUTER_API_KEY", "") or None,
                    help="key the gateway presents to the router, when the router has keys "
                         "[$STAGEMESH_ROUTER_API_KEY]")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=at_least_one, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body (beyond: 413); default 4 MiB, the router's "
                         "gRPC request limit")
     p.add_argument("--served-model-name", default=None,
@@ -45,7 +47,7 @@ def add_gateway(commands: SubParsers) -> None:
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="model directory whose tokenizer renders logprob tokens as text "
                         "(default: the model store's copy of the served model)")
-    p.add_argument("--request-timeout", type=float, default=None,
+    p.add_argument("--request-timeout", type=positive_seconds, default=None,
                    help="deadline in seconds for each router call (beyond: 504)")
     add_drain_timeout_arg(p, "open responses")
     add_tracing_arg(p, "the gateway's spans")

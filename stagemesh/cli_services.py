@@ -35,6 +35,10 @@ from stagemesh.cli_flags import (
     at_least_one,
     env,
     layer_split,
+    port,
+    positive_seconds,
+    seconds,
+    whole,
 )
 from stagemesh.cli_stage import add_stage
 
@@ -57,35 +61,36 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     add_api_key_args(p)
     p.add_argument("--model-name", default=None,
                    help="name clients use (default: the model directory's name)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=0)
-    p.add_argument("--max-queued-requests", type=int, default=1024)
-    p.add_argument("--max-queued-tokens", type=int, default=1 << 20)
+    p.add_argument("--max-num-seqs", type=at_least_one, default=256)
+    p.add_argument("--max-num-batched-tokens", type=at_least_one, default=2048)
+    p.add_argument("--max-model-len", type=whole(0), default=0,
+                   help="longest prompt + output in tokens (default 0: the model's context)")
+    p.add_argument("--max-queued-requests", type=at_least_one, default=1024)
+    p.add_argument("--max-queued-tokens", type=at_least_one, default=1 << 20)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--startup-budget", type=float, default=300.0)
-    p.add_argument("--recovery-budget", type=float, default=60.0)
-    p.add_argument("--step-timeout", type=float, default=30.0)
+    p.add_argument("--startup-budget", type=seconds, default=300.0)
+    p.add_argument("--recovery-budget", type=seconds, default=60.0)
+    p.add_argument("--step-timeout", type=positive_seconds, default=30.0)
     add_drain_timeout_arg(p, "requests in flight",
                           "; new ones are refused at once and those still running then end "
                           "with UNAVAILABLE. Keep the pod's terminationGracePeriodSeconds "
                           "above it; `stagemesh serve` gives its gateway the same")
-    p.add_argument("--stream-interval", type=int, default=1,
+    p.add_argument("--stream-interval", type=at_least_one, default=1,
                    help="tokens per streamed update (1 = every token)")
     p.add_argument("--no-run-ahead", action="store_true",
                    help="plan a sequence's next step only once its previous token reached the "
                         "router (default: run ahead; the stages feed the token forward)")
-    p.add_argument("--run-ahead-depth", type=int, default=4,
+    p.add_argument("--run-ahead-depth", type=whole(2), default=4,
                    help="with run-ahead, steps of one sequence planned at once (default 4; "
                         "2 is the least: one planned on another); deeper lets the router "
                         "send several steps' plans in one message, and a finish learned "
                         "late costs up to depth - 1 discarded tokens of that sequence")
-    p.add_argument("--micro-batches", type=int, default=0, metavar="N",
+    p.add_argument("--micro-batches", type=whole(0), default=0, metavar="N",
                    help="steps kept in flight through the pipeline over disjoint sequences, "
                         "at most one per stage (default 0: one per device the stages compute "
                         "on; stages that share one GPU, or one host's CPU cores, take turns "
                         "on it and get one between them)")
-    p.add_argument("--trace-step-interval", type=int, default=64, metavar="N",
+    p.add_argument("--trace-step-interval", type=whole(0), default=64, metavar="N",
                    help="with tracing on, every N-th step that computes a traced request's "
                         "sequence is recorded by each stage as a span of that request's trace "
                         "(besides the step of its first prefill chunk, always); 0 = that "
@@ -123,7 +128,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "(Llama 3.1+ JSON calls), auto (from the chat template: <tool_call> "
                         "-> hermes, <|python_tag|> or ipython -> llama3_json, else none), "
                         "none (only tool_choice none is served) (default: %(default)s)")
-    p.add_argument("--standby-grace", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--standby-grace", type=seconds, default=5.0, metavar="SECONDS",
                    help="how long a lost stage may take to come back before a standby stage "
                         "takes its place (default: %(default)s)")
 
@@ -138,7 +143,7 @@ def _add_router(commands: SubParsers) -> None:
                         "--standby`): one takes the place of a stage lost for "
                         "--standby-grace seconds [$STAGEMESH_STANDBY_STAGES]")
     p.add_argument("--host", default=env("STAGEMESH_ROUTER_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("STAGEMESH_ROUTER_PORT", "50051")))
+    p.add_argument("--port", type=port, default=int(env("STAGEMESH_ROUTER_PORT", "50051")))
     p.add_argument("--ready-file", default=None)
     add_metrics_port_arg(p, "STAGEMESH_ROUTER_METRICS_PORT",
                           " (every front's and the engine core's, summed)")
@@ -200,15 +205,15 @@ def _add_serve(commands: SubParsers) -> None:
     p = commands.add_parser(
         "serve", help="bring up a whole pipeline on this machine: stages, router, gateway")
     add_model_args(p)
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--stages", type=at_least_one, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel ranks per stage")
     p.add_argument("--layers", type=_serve_layers, default=None, metavar="N,N,...|auto",
                    help="layers per stage, pipeline order, e.g. 18,12: an uneven split (a "
                         "stage on a device with more memory takes more); they must sum to "
                         "the model's layers. auto: split by each stage's share of its "
                         "device's free memory, for the most KV room (the even split on CPU) "
                         "(default: as even as possible)")
-    p.add_argument("--standby", type=int, default=0, metavar="N",
+    p.add_argument("--standby", type=whole(0), default=0, metavar="N",
                    help="standby stage processes to keep beside the pipeline: when a stage "
                         "does not come back within --standby-grace, one takes its place "
                         "(loads its layers) instead of waiting for the restart; --tp 1 only "
@@ -216,15 +221,15 @@ def _add_serve(commands: SubParsers) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--host", default="127.0.0.1", help="router address")
-    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--port", type=port, default=50051, help="router port")
     add_tracing_arg(p, "the gateway's, the router's and the stages' spans")
     p.add_argument("--no-metrics", action="store_true",
                    help="no Prometheus endpoints on the router and the stages (default: each "
                         "serves one on a free port, printed when the mesh is ready; the "
                         "gateway's is at its HTTP port's /metrics)")
-    p.add_argument("--gateway-port", type=int, default=8000,
+    p.add_argument("--gateway-port", type=port, default=8000,
                    help="HTTP gateway port (0 = no gateway)")
-    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--num-blocks", type=at_least_one, default=None)
     p.add_argument("--kv-cache-gb", type=float, default=None)
     add_model_impl_arg(p)
     p.add_argument("--enforce-eager", action="store_true",

@@ -28,25 +28,29 @@ from stagemesh.cli_flags import (
     add_model_impl_arg,
     add_quantization_arg,
     add_tracing_arg,
+    at_least_one,
     env,
     layer_split,
+    port,
+    positive_seconds,
+    whole,
 )
 
 
 def add_stage(commands: SubParsers) -> None:
     p = commands.add_parser("stage", help="run one pipeline stage (its TP ranks included)")
     add_model_args(p)
-    p.add_argument("--stage-index", type=int, default=int(env("STAGEMESH_STAGE_INDEX", "0")),
+    p.add_argument("--stage-index", type=whole(0), default=int(env("STAGEMESH_STAGE_INDEX", "0")),
                    help="this stage's index, 0 first [$STAGEMESH_STAGE_INDEX]")
-    p.add_argument("--num-stages", type=int, default=int(env("STAGEMESH_NUM_STAGES", "1")),
+    p.add_argument("--num-stages", type=at_least_one, default=int(env("STAGEMESH_NUM_STAGES", "1")),
                    help="stages in the pipeline [$STAGEMESH_NUM_STAGES]")
     p.add_argument("--layers", type=layer_split, default=None,
                    help="layer count per stage, e.g. 12,9,9 (default: even split)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks in this stage")
+    p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel ranks in this stage")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="fix the KV pool size")
+    p.add_argument("--block-size", type=at_least_one, default=16)
+    p.add_argument("--num-blocks", type=at_least_one, default=None, help="fix the KV pool size")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV pool memory per rank")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="this stage's share of its GPU")
@@ -54,18 +58,18 @@ def add_stage(commands: SubParsers) -> None:
     _add_stage_capacity_args(p)
     p.add_argument("--host", default=env("STAGEMESH_STAGE_HOST", "127.0.0.1"),
                    help="control listener address [$STAGEMESH_STAGE_HOST]")
-    p.add_argument("--port", type=int, default=int(env("STAGEMESH_STAGE_PORT", "0")))
+    p.add_argument("--port", type=port, default=int(env("STAGEMESH_STAGE_PORT", "0")))
     p.add_argument("--dataplane-host", default=env("STAGEMESH_DATAPLANE_HOST", ""),
                    help="address the data-plane listener binds (default: the host the router "
                    "reaches this stage by) [$STAGEMESH_DATAPLANE_HOST]")
-    p.add_argument("--dataplane-port", type=int,
+    p.add_argument("--dataplane-port", type=port,
                    default=int(env("STAGEMESH_DATAPLANE_PORT", "0")),
                    help="data-plane listener port (0: any free one) [$STAGEMESH_DATAPLANE_PORT]")
     p.add_argument("--dataplane-advertise", default=env("STAGEMESH_DATAPLANE_ADVERTISE", ""),
                    help="host the upstream stage dials (default: the bound host, or the "
                    "router's name for this stage when bound to a wildcard) "
                    "[$STAGEMESH_DATAPLANE_ADVERTISE]")
-    p.add_argument("--step-timeout", type=float, default=60.0)
+    p.add_argument("--step-timeout", type=positive_seconds, default=60.0)
     add_tracing_arg(p, "the spans of traced requests' steps")
     add_metrics_port_arg(p, "STAGEMESH_STAGE_METRICS_PORT", "")
     p.add_argument("--enforce-eager", action="store_true",
@@ -117,9 +121,9 @@ def _dataplane_tls(args: argparse.Namespace) -> tuple[str, str, str]:
     return str(args.tls_cert), str(args.tls_key), str(args.dataplane_tls_ca)
 
 def _add_stage_capacity_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=at_least_one, default=2048,
                    help="largest step (tokens) the stage sizes its activations for and accepts")
-    p.add_argument("--max-num-seqs", type=int, default=256,
+    p.add_argument("--max-num-seqs", type=at_least_one, default=256,
                    help="most sequences one step may compute")
 
 

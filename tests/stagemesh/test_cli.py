@@ -165,3 +165,36 @@ def test_serve_passes_stage_storage_flags_to_every_stage(tmp_path: Path, flag: s
         assert getattr(parser.parse_args(child.argv[3:]), attr) == value  # after -m stagemesh
     with pytest.raises(SystemExit):
         parser.parse_args(["stage", flag, bad])
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    (["serve", "--stages", "0"], "argument --stages: must be at least 1, got 0"),
+    (["serve", "--tp", "0"], "argument --tp: must be at least 1, got 0"),
+    (["serve", "--standby", "-1"], "argument --standby: must be at least 0, got -1"),
+    (["serve", "--port", "70000"], "argument --port: must be a port number, 0 to 65535"),
+    (["serve", "--gateway-port", "-1"], "argument --gateway-port: must be at least 0"),
+    (["serve", "--num-blocks", "0"], "argument --num-blocks: must be at least 1, got 0"),
+    (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1"),
+    (["serve", "--stream-interval", "0"], "argument --stream-interval: must be at least 1"),
+    (["serve", "--run-ahead-depth", "1"], "argument --run-ahead-depth: must be at least 2"),
+    (["serve", "--step-timeout", "0"], "argument --step-timeout: must be more than 0 seconds"),
+    (["router", "--max-model-len", "-1"], "argument --max-model-len: must be at least 0"),
+    (["router", "--max-queued-requests", "0"], "argument --max-queued-requests: must be at "),
+    (["router", "--micro-batches", "-1"], "argument --micro-batches: must be at least 0"),
+    (["router", "--metrics-port", "65536"], "argument --metrics-port: must be a port number"),
+    (["stage", "--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
+    (["stage", "--dataplane-port", "x"], "argument --dataplane-port: not a whole number: 'x'"),
+    (["stage", "--stage-index", "-1"], "argument --stage-index: must be at least 0"),
+    (["gateway", "--max-body-bytes", "0"], "argument --max-body-bytes: must be at least 1"),
+    (["gateway", "--request-timeout", "0"], "argument --request-timeout: must be more than 0"),
+])
+def test_a_service_flag_out_of_range_is_one_line_before_anything_starts(
+        bad: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Counts, ports and timeouts are checked on the command line (exit 2, the flag and its
+    bound named), where they used to reach a child process and end it in a traceback, or
+    be taken as given (a port past 65535, a stream interval of 0, a negative standby)."""
+    with pytest.raises(SystemExit) as info:
+        main(bad)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
