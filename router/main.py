@@ -227,7 +227,17 @@ async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    address = await app.start()
+    starting = asyncio.create_task(app.start())
+    signalled = asyncio.create_task(stop.wait())
+    await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if not starting.done():  # a signal while the stages are awaited: stop what started
+        log.info("stopping before the pipeline came up")
+        starting.cancel()  # `start` stops what it started before it re-raises
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return 0
+    address = starting.result()  # ListenError, CoreStartError, FrontStartError
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             f.write(address)

@@ -4,7 +4,8 @@ stdin (never on the command line: it may hold the stage TLS client key).
 Started by the router (`router.main`), which runs front 0 (and the front processes of
 `--api-processes`). The core listens on its input socket, brings the pipeline up, tells the
 fronts (`CoreState`), steps until front 0 says `Shutdown`, then drains the stages and
-exits. It exits by itself if the router dies (its parent process changes).
+exits; a `Shutdown` while the stages are still awaited ends the start at once. It exits
+by itself if the router dies (its parent process changes).
 
 `run_core` is the whole life, also used in-process (the router's `--engine-core task`,
 tests), where it runs as a task on the router's own event loop.
@@ -55,7 +56,9 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
     watcher = asyncio.create_task(_watch_parent()) if watch_parent else None
     try:
         try:
-            await core.start()
+            if not await _start_unless_stopped(core):
+                log.info("shutdown before the pipeline came up")
+                return 0
         except (PipelineError, CapacityError) as e:
             kind = "capacity" if isinstance(e, CapacityError) else "pipeline"
             core.start_error = CoreState(False, error=str(e), kind=kind)
@@ -73,6 +76,23 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
         await pipeline.close(drain=True)
         await asyncio.sleep(0.05)  # let queued messages leave before the sockets close
         endpoint.close()
+
+
+async def _start_unless_stopped(core: EngineCore) -> bool:
+    """`core.start()`, unless front 0 says Shutdown first (the router was signalled while
+    the stages were awaited): then the start is cancelled and False returned. Raises what
+    the start raises."""
+    starting = asyncio.create_task(core.start())
+    stopped = asyncio.create_task(core.stopped.wait())
+    await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if starting.done():
+        starting.result()
+        return True
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await starting
+    return False
 
 
 async def _receive(endpoint: CoreEndpoint, core: EngineCore) -> None:

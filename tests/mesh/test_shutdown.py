@@ -1,7 +1,7 @@
 """SIGTERM: the router drains (readiness NOT_SERVING, new requests UNAVAILABLE, in-flight
 ones finish), and `stagemesh serve` stops every process it started, TP ranks included;
-also when the signal comes while the mesh is still starting; and when serve itself is
-SIGKILLed, every process it started ends by itself."""
+also when the signal comes while the mesh (or a router) is still starting; and when serve
+itself is SIGKILLed, every process it started ends by itself."""
 
 from __future__ import annotations
 
@@ -130,3 +130,27 @@ def test_a_killed_serve_takes_every_process_it_started_with_it() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
         mesh.close()
+
+
+def test_a_router_signalled_while_it_awaits_its_stages_stops_at_once() -> None:
+    """SIGTERM to a router whose stages never come (the start-up budget is 300 s): it and its
+    engine core exit 0 within seconds, not when the budget runs out."""
+    proc = Proc([sys.executable, "-m", "stagemesh", "router", "--model",
+                 str(default_model_dir()), "--stages", "127.0.0.1:1", "--port",
+                 str(free_port())])
+    try:
+        proc.wait_for(r"waiting for stages", timeout=60)
+        pids = [proc.proc.pid, *child_pids(proc.proc.pid)]  # the router and its core
+        assert len(pids) == 2, pids
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=30) == 0, proc.output
+        assert time.monotonic() - started < 10, proc.output
+    finally:
+        proc.stop(timeout=10)
+    assert "shutdown before the pipeline came up" in proc.output
+    assert "did not exit" not in proc.output and "Traceback" not in proc.output, proc.output
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if _alive(p)] == []
