@@ -50,3 +50,14 @@ def test_a_rank_whose_leader_is_gone_exits() -> None:
     time.sleep(1.0)
     os.close(fd)  # the leader's end: as when the leader dies
     assert proc.wait(5) == 1
+
+
+def test_a_rank_tells_a_gone_leader_from_a_live_one() -> None:
+    """A rank whose collective broke exits with one line only when its leader (its parent
+    when it started) is gone; with the leader alive the error is raised as it is."""
+    from stage_worker.tp_rank import _gone
+
+    started = time.monotonic()
+    assert not _gone(os.getppid(), wait_s=0.2)  # this process's parent lives
+    assert time.monotonic() - started >= 0.2
+    assert _gone(os.getppid() + 1_000_000, wait_s=5.0)  # not its parent: at once
