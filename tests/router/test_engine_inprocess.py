@@ -10,7 +10,6 @@ only its shape).
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -181,21 +180,6 @@ def test_capacity_is_the_minimum_over_stages(model_dir: Path) -> None:
             assert info.micro_batches == 2  # the helper's: one per stage
 
     asyncio.run(run())
-
-
-def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(
-        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The model's max_position_embeddings (8192) bounds the context, whatever
-    --max-model-len asks; asking for more says so."""
-    async def run() -> int:
-        async with in_process_mesh(null_stages(model_dir, 2, num_blocks=1024),
-                                   max_model_len=100_000) as mesh, mesh.client() as client:
-            return (await client.model_info()).context_length
-
-    with caplog.at_level(logging.WARNING, logger="stagemesh.router"):
-        assert asyncio.run(run()) == 8192
-    assert ("--max-model-len 100000 exceeds the model's context of 8192 tokens (its "
-            "max_position_embeddings): capped at 8192") in caplog.text
 
 
 def test_cpu_stages_that_share_cores_keep_one_micro_batch(model_dir: Path) -> None:
