@@ -24,6 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
+from foundation.aio import unless_set
 from foundation.metrics import (
     MetricsServer,
     multiprocess_registry,
@@ -227,17 +228,10 @@ async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    starting = asyncio.create_task(app.start())
-    signalled = asyncio.create_task(stop.wait())
-    await asyncio.wait([starting, signalled], return_when=asyncio.FIRST_COMPLETED)
-    signalled.cancel()
-    if not starting.done():  # a signal while the stages are awaited: stop what started
+    address = await unless_set(app.start(), stop)  # ListenError, CoreStartError, ...
+    if address is None:  # a signal while the stages are awaited: `start` stopped its parts
         log.info("stopping before the pipeline came up")
-        starting.cancel()  # `start` stops what it started before it re-raises
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
         return 0
-    address = starting.result()  # ListenError, CoreStartError, FrontStartError
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             f.write(address)

@@ -21,6 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
+from foundation.aio import unless_set
 from foundation.metrics import use_multiprocess_dir
 from foundation.model_config import ModelConfig
 from foundation.tracing import setup_tracing
@@ -56,7 +57,7 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
     watcher = asyncio.create_task(_watch_parent()) if watch_parent else None
     try:
         try:
-            if not await _start_unless_stopped(core):
+            if await unless_set(core.start(), core.stopped) is None:  # Shutdown came first
                 log.info("shutdown before the pipeline came up")
                 return 0
         except (PipelineError, CapacityError) as e:
@@ -76,23 +77,6 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
         await pipeline.close(drain=True)
         await asyncio.sleep(0.05)  # let queued messages leave before the sockets close
         endpoint.close()
-
-
-async def _start_unless_stopped(core: EngineCore) -> bool:
-    """`core.start()`, unless front 0 says Shutdown first (the router was signalled while
-    the stages were awaited): then the start is cancelled and False returned. Raises what
-    the start raises."""
-    starting = asyncio.create_task(core.start())
-    stopped = asyncio.create_task(core.stopped.wait())
-    await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if starting.done():
-        starting.result()
-        return True
-    starting.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await starting
-    return False
 
 
 async def _receive(endpoint: CoreEndpoint, core: EngineCore) -> None:
