@@ -107,29 +107,13 @@ def serve_stage_metrics(cfg: StageConfig, servicer: StageServicer) -> None:
     log.info("metrics on http://%s:%d/metrics", cfg.host, server.port)
 
 
-async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
-                      tls: ServerTls | None = None, stage_token: str = "") -> int:
-    """`tls`: serve the control API over TLS (mutual with a client CA); None = plaintext.
-    `stage_token`: the pairing secret a caller of the StageService must present (see
-    `foundation.grpc_auth`); "" = any caller (that TLS lets through)."""
-    servicer: StageServicer | StandbyServicer
-    if cfg.standby:
-        ranks: list[subprocess.Popen[bytes]] = []
-        beats = RankBeats({})
-        servicer = StandbyServicer(cfg, lambda assigned: stage_servicer(assigned, TPGroup()))
-    else:
-        init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
-        ranks, beats = spawn_tp_ranks(cfg, init_url)
-        tp = init_tp_group(0, cfg.tp_size, init_url, distributed_backend(rank_device(cfg, 0)))
-        try:
-            servicer = stage_servicer(cfg, tp)
-        except ListenError:  # the metrics port
-            _stop_ranks(ranks)
-            raise
+def _control_server(servicer: StageServicer | StandbyServicer, stage_token: str
+                    ) -> tuple[grpc.aio.Server, health.HealthServicer]:
+    """The StageService with health and reflection, not bound yet, and its health servicer.
+    No SO_REUSEPORT (gRPC's default on Linux): a port another server holds, a router's
+    fronts or another stage, is refused at bind, never shared with it."""
     interceptors = [BearerInterceptor(ApiKeys([stage_token]), PAIRED_PREFIX, NOT_PAIRED)
                     ] if stage_token else []
-    # No SO_REUSEPORT (gRPC's default on Linux): a port another server holds, a router's
-    # fronts or another stage, is refused at bind, never shared with it.
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -140,7 +124,28 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
     reflection.enable_server_reflection(
         (stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name,
          reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    try:
+    return server, health_srv
+
+
+async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
+                      tls: ServerTls | None = None, stage_token: str = "") -> int:
+    """`tls`: serve the control API over TLS (mutual with a client CA); None = plaintext.
+    `stage_token`: the pairing secret a caller of the StageService must present (see
+    `foundation.grpc_auth`); "" = any caller (that TLS lets through)."""
+    servicer: StageServicer | StandbyServicer
+    ranks: list[subprocess.Popen[bytes]] = []
+    beats = RankBeats({})
+    try:  # a taken port (the control API's or the metrics'): no TP rank is left behind
+        if cfg.standby:
+            servicer = StandbyServicer(cfg,
+                                       lambda assigned: stage_servicer(assigned, TPGroup()))
+        else:
+            init_url = f"tcp://127.0.0.1:{cfg.tp_init_port or free_port()}"
+            ranks, beats = spawn_tp_ranks(cfg, init_url)
+            tp = init_tp_group(0, cfg.tp_size, init_url,
+                               distributed_backend(rank_device(cfg, 0)))
+            servicer = stage_servicer(cfg, tp)
+        server, health_srv = _control_server(servicer, stage_token)
         port = add_port(server, cfg.host, cfg.port, tls)
     except ListenError:
         _stop_ranks(ranks)
