@@ -11,7 +11,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -19,21 +18,12 @@ import pytest
 from router.client import RouterClient
 from tests.default_model import default_model_dir
 from tests.mesh.harness import Mesh, Proc, free_port, readiness
-from tests.processes import child_pids
+from tests.processes import child_pids, children_and_theirs, still_alive
 
 pytestmark = pytest.mark.slow
 
 LONG = 32  # tokens of the request in flight during the drain (inside the 30 s drain timeout
 # even on a loaded 2-core CI machine, where 60 once took longer)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_sigterm_drains_then_stops_every_process() -> None:
@@ -83,10 +73,7 @@ def test_sigterm_drains_then_stops_every_process() -> None:
         assert (finished, total) == ("length", LONG)  # and it finished whole
     finally:
         mesh.close()
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [p for p in pids if _alive(p)] == []
+    assert still_alive(pids, 30) == []
 
 
 def test_sigterm_while_starting_stops_every_process_without_waiting_for_ready() -> None:
@@ -100,16 +87,13 @@ def test_sigterm_while_starting_stops_every_process_without_waiting_for_ready() 
         while len(kids := child_pids(proc.proc.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)  # two stages and the router started, none ready yet
         assert len(kids) == 3, proc.output
-        pids = [p for kid in kids for p in (kid, *child_pids(kid))]
+        pids = children_and_theirs(proc.proc.pid)
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(timeout=60) == 0, proc.output
     finally:
         proc.stop(timeout=10)
     assert "stagemesh ready" not in proc.output, proc.output
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [p for p in pids if _alive(p)] == []
+    assert still_alive(pids, 30) == []
 
 
 def test_a_killed_serve_takes_every_process_it_started_with_it() -> None:
@@ -118,13 +102,10 @@ def test_a_killed_serve_takes_every_process_it_started_with_it() -> None:
     mesh = Mesh("--stages", "2", "--tp", "2", "--model-impl", "null", "--num-blocks", "256",
                 gateway_port=free_port())
     try:
-        pids = [p for kid in child_pids(mesh.proc.proc.pid) for p in (kid, *child_pids(kid))]
+        pids = children_and_theirs(mesh.proc.proc.pid)
         assert len(pids) >= 7, pids  # router, its core, 2 stage leaders, 2 TP ranks, gateway
         os.kill(mesh.proc.proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [p for p in pids if _alive(p)] == []
+        assert still_alive(pids, 30) == []
     finally:
         for p in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -150,7 +131,4 @@ def test_a_router_signalled_while_it_awaits_its_stages_stops_at_once() -> None:
         proc.stop(timeout=10)
     assert "shutdown before the pipeline came up" in proc.output
     assert "did not exit" not in proc.output and "Traceback" not in proc.output, proc.output
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [p for p in pids if _alive(p)] == []
+    assert still_alive(pids, 10) == []
