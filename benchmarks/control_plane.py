@@ -25,6 +25,7 @@ import asyncio
 import datetime as dt
 import functools
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,12 +49,15 @@ NUM_BLOCKS, BLOCK_SIZE = 8192, 16
 async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window_s: float,
                         settle_s: float = 0.5,
                         cpu: Callable[[], dict[str, float]] = dict,
-                        woken: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
+                        woken: Callable[[], dict[str, float]] = dict,
+                        probes: int = 0) -> dict[str, Any]:
     """Keep one sequence decoding per entry of `requests` (`RouterClient.generate` keyword
     arguments; each is submitted again when it ends). Once all run and `settle_s` more has
     passed: the router's steps, the tokens streamed, the CPU seconds by part (`cpu()`, plus
     this process as "client") and the wake-ups by part (`woken()`, the same) over
-    `window_s`."""
+    `window_s`. Then `probes` one-token requests, one after another, each into the steady
+    decode: their times to first token ("probe_ttft_ms"), which include the wait behind
+    the steps planned before they came."""
     async with RouterClient(address) as client:
         tokens = 0
 
@@ -75,25 +79,39 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
             c1 = {**cpu(), "client": time.process_time()}
             w1 = {**woken(), "client": wakeups(os.getpid())}
             s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
+            ttft = [await _probe(client, i) for i in range(probes)]
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     return {"steps": s1 - s0, "seconds": t1 - t0, "tokens": k1 - k0,
             "cpu_s": {part: c1[part] - c0.get(part, 0.0) for part in sorted(c1)},
-            "wakeups": {part: w1[part] - w0.get(part, 0) for part in sorted(w1)}}
+            "wakeups": {part: w1[part] - w0.get(part, 0) for part in sorted(w1)},
+            "probe_ttft_ms": ttft}
+
+
+async def _probe(client: RouterClient, i: int) -> float:
+    """The time to first token of a one-token request sent now (ms), after a pause that
+    lands it at some other point of the step rhythm."""
+    await asyncio.sleep(0.01 + 0.003 * (i % 7))
+    start = time.perf_counter()
+    async for _ in client.generate(prompt=f"probe {i}", max_tokens=1, temperature=0.0):
+        return (time.perf_counter() - start) * 1e3
+    raise RuntimeError("a probe request streamed nothing")
 
 
 async def measure(address: str, seqs: int, window_s: float,
                   cpu: Callable[[], dict[str, float]],
-                  woken: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
+                  woken: Callable[[], dict[str, float]] = dict,
+                  probes: int = 0) -> dict[str, Any]:
     """W6: `seqs` sequences decoding (`steady_decode`); steps/s, tokens streamed per second
-    and each part's CPU and wake-ups per step. A request is as long as the KV pool lets every
-    sequence be (no preemption)."""
+    and each part's CPU and wake-ups per step, then `probes` requests' times to first token
+    (median and largest). A request is as long as the KV pool lets every sequence be (no
+    preemption)."""
     max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
     requests = [dict(prompt=f"request {i}", max_tokens=max_tokens, ignore_eos=True,
                      temperature=0.0) for i in range(seqs)]
-    got = await steady_decode(address, requests, window_s, cpu=cpu, woken=woken)
+    got = await steady_decode(address, requests, window_s, cpu=cpu, woken=woken, probes=probes)
     steps = max(got["steps"], 1)
     steps_s = got["steps"] / got["seconds"]
     cpu_us = {part: round(s * 1e6 / steps) for part, s in got["cpu_s"].items()}
@@ -102,7 +120,10 @@ async def measure(address: str, seqs: int, window_s: float,
             "tokens_per_s": got["tokens"] / got["seconds"],
             "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us,
             "wakeups_per_step": round(sum(woke.values()), 2),
-            "wakeups_per_step_by_part": woke}
+            "wakeups_per_step_by_part": woke,
+            **({"probe_ttft_ms_p50": round(statistics.median(ttft), 2),
+                "probe_ttft_ms_max": round(max(ttft), 2)} if (ttft := got["probe_ttft_ms"])
+               else {})}
 
 
 def micro_batches(asked: int, stages: int) -> int:
@@ -124,6 +145,11 @@ def main() -> None:
                     help="serve's --micro-batches (default -1: one per stage; 0: serve's own "
                          "default, one between stages that share this machine's cores)")
     ap.add_argument("--extra", default="", help="more `stagemesh serve` flags")
+    ap.add_argument("--probes", type=int, default=0,
+                    help="after the window, this many one-token requests into the steady "
+                         "decode, one at a time: their times to first token (a mesh whose "
+                         "running sequences are at --max-num-seqs per micro-batch queues them "
+                         "until one ends, so at 1 stage they are not sent)")
     ap.add_argument("--no-metrics", action="store_true",
                     help="serve without the router's and stages' Prometheus endpoints")
     ap.add_argument("--out", type=Path,
@@ -147,7 +173,9 @@ def main() -> None:
                   *(["--no-metrics"] if args.no_metrics else []), *args.extra.split()) as mesh:
             cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
             woken = functools.partial(process_wakeups, mesh.proc.proc.pid)
-            result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu, woken))
+            probes = args.probes if mb > 1 else 0
+            result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu, woken,
+                                         probes))
         rows.append({"stages": p, "micro_batches": mb, **result})
         print(rows[-1], flush=True)
     config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)

@@ -40,8 +40,12 @@ class RouterConfig:
             `authorization: Bearer`), which they require when they were given one: a stage
             serves only its paired router. Empty: none.
         run_ahead_depth: with run_ahead, steps of one sequence outstanding at once (>= 2);
-            up to stages * depth steps are outstanding, and the core sends the plans it
-            has ready together in one message per stage.
+            up to micro_batches * depth steps are outstanding, and the core sends the plans
+            it has ready together in one message per stage.
+        run_ahead_budget_ms: with run_ahead, while the pipeline's steps are short the core
+            plans deeper than run_ahead_depth (up to twice it), as deep as the steps planned
+            ahead run in this many milliseconds: a request that arrives during steady decode
+            waits behind them. 0 = always run_ahead_depth (`router.core.pace`).
         micro_batches: steps kept in flight through the pipeline, over disjoint sets of
             sequences (pipeline micro-batches), at most one per stage; 0 = one per device
             the stages compute on: one per stage, but stages that share a GPU, or one host's
@@ -104,6 +108,7 @@ class RouterConfig:
     engine_core: str = "process"
     run_ahead: bool = True
     run_ahead_depth: int = 4
+    run_ahead_budget_ms: float = 20.0
     micro_batches: int = 0
     stage_token: str = field(default="", repr=False)
     api_processes: int = 1
@@ -131,6 +136,8 @@ class RouterConfig:
         if self.run_ahead_depth < 2:
             raise ValueError(f"run_ahead_depth must be >= 2 (one step planned on another), "
                              f"got {self.run_ahead_depth}")
+        if not self.run_ahead_budget_ms >= 0:
+            raise ValueError(f"run_ahead_budget_ms must be >= 0, got {self.run_ahead_budget_ms}")
         if self.micro_batches < 0:
             raise ValueError(f"micro_batches must be >= 0 (0 = one per device), got "
                              f"{self.micro_batches}")

@@ -57,7 +57,7 @@ def core_config(cfg: RouterConfig, input_address: str, metrics_dir: str = "") ->
         enable_prefix_caching=cfg.enable_prefix_caching, startup_budget_s=cfg.startup_budget_s,
         recovery_budget_s=cfg.recovery_budget_s, step_timeout_s=cfg.step_timeout_s,
         run_ahead=cfg.run_ahead, run_ahead_depth=cfg.run_ahead_depth,
-        micro_batches=cfg.micro_batches,
+        run_ahead_budget_ms=cfg.run_ahead_budget_ms, micro_batches=cfg.micro_batches,
         stage_token=cfg.stage_token, transport=cfg.transport,
         standby_stages=cfg.standby_stages, standby_grace_s=cfg.standby_grace_s,
         metrics_dir=metrics_dir, otlp_traces_endpoint=cfg.otlp_traces_endpoint,

@@ -62,6 +62,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def milliseconds(text: str) -> float:
+    """A duration flag in milliseconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be 0 or more milliseconds, got {text}")
+    return value
+
+
 def add_drain_timeout_arg(p: argparse.ArgumentParser, what: str, more: str = "") -> None:
     """--drain-timeout: on SIGTERM, how long `what` may take to finish (30 s by default);
     `more` follows in the help."""

@@ -35,6 +35,7 @@ from stagemesh.cli_flags import (
     at_least_one,
     env,
     layer_split,
+    milliseconds,
     port,
     positive_seconds,
     seconds,
@@ -85,6 +86,12 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "2 is the least: one planned on another); deeper lets the router "
                         "send several steps' plans in one message, and a finish learned "
                         "late costs up to depth - 1 discarded tokens of that sequence")
+    p.add_argument("--run-ahead-budget-ms", type=milliseconds, default=20.0, metavar="MS",
+                   help="with run-ahead, while the pipeline's steps are short, plan deeper "
+                        "than --run-ahead-depth (up to twice it), as deep as the steps "
+                        "planned ahead run in this many milliseconds: a request that "
+                        "arrives during steady decode waits behind them (default 20; 0: "
+                        "always --run-ahead-depth)")
     p.add_argument("--micro-batches", type=whole(0), default=0, metavar="N",
                    help="steps kept in flight through the pipeline over disjoint sequences, "
                         "at most one per stage (default 0: one per device the stages compute "
@@ -172,7 +179,8 @@ def router_config(args: argparse.Namespace, stages: tuple[str, ...]) -> RouterCo
         step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
         stream_interval=max(1, args.stream_interval),
         engine_core=args.engine_core, run_ahead=not args.no_run_ahead,
-        run_ahead_depth=args.run_ahead_depth, micro_batches=args.micro_batches,
+        run_ahead_depth=args.run_ahead_depth, run_ahead_budget_ms=args.run_ahead_budget_ms,
+        micro_batches=args.micro_batches,
         trace_step_interval=args.trace_step_interval,
         api_processes=args.api_processes,
         api_keys=api_keys(args),

@@ -61,7 +61,7 @@ def plan_capacity(cfg: CoreConfig, model: ModelConfig, shape: PipelineShape) -> 
     scheduler = SchedulerConfig(
         max_num_batched_tokens=step_tokens, max_num_seqs=cfg.max_num_seqs,
         max_model_len=max_len, max_inflight_steps=micro_batches, run_ahead=cfg.run_ahead,
-        run_ahead_depth=cfg.run_ahead_depth,
+        run_ahead_depth=cfg.max_run_ahead_depth,
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
     kv = KVCacheConfig(shape.num_kv_blocks, shape.block_size, cfg.enable_prefix_caching)
     return Capacity(scheduler, kv, RequestLimits(max_model_len=max_len,

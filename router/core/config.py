@@ -23,7 +23,7 @@ class CoreConfig:
         startup_budget_s / recovery_budget_s / step_timeout_s: as `RouterConfig`.
         run_ahead: plan a sequence's next step before its token came back (the stages feed
             the token to the first stage over the data plane).
-        run_ahead_depth: as `RouterConfig`.
+        run_ahead_depth / run_ahead_budget_ms: as `RouterConfig` (`RunAheadPace`).
         micro_batches: as `RouterConfig`.
         stage_token: as `RouterConfig`.
         transport: the data-plane transport asked for, as `RouterConfig` ("auto", "tcp",
@@ -49,6 +49,7 @@ class CoreConfig:
     step_timeout_s: float = 30.0
     run_ahead: bool = True
     run_ahead_depth: int = 4
+    run_ahead_budget_ms: float = 20.0
     micro_batches: int = 0
     stage_token: str = field(default="", repr=False)
     transport: str = "auto"
@@ -57,6 +58,11 @@ class CoreConfig:
     metrics_dir: str = ""
     otlp_traces_endpoint: str | None = None
     trace_step_interval: int = 64
+
+    @property
+    def max_run_ahead_depth(self) -> int:
+        """The deepest the core runs ahead (`RunAheadPace.most`)."""
+        return self.run_ahead_depth * (2 if self.run_ahead_budget_ms > 0 else 1)
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

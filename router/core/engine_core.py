@@ -43,6 +43,7 @@ from router.core.messages import (
     duplicate_request_message,
     front_of,
 )
+from router.core.pace import RunAheadPace
 from router.core.recovery import Outage
 from router.core.request_trace import StepTraces
 from router.core.stats import core_stats, stage_stats
@@ -86,6 +87,7 @@ class EngineCore:
         pipeline.on_outcome = self._on_outcome
         pipeline.on_failure = self._on_failure
         self.scheduler: Scheduler | None = None
+        self.pace: RunAheadPace | None = None  # built with the scheduler
         self.served: ServedInfo | None = None
         self.ledger = Ledger()
         self._step_traces = StepTraces(cfg.trace_step_interval)
@@ -114,7 +116,10 @@ class EngineCore:
         capacity = plan_capacity(self.cfg, self.model, shape)
         served = ServedInfo(capacity.limits, shape.dtype, shape.tp_size, shape.num_stages,
                             shape.block_size, capacity.scheduler.max_inflight_steps)
-        return Scheduler(capacity.scheduler, capacity.kv), served
+        scheduler = Scheduler(capacity.scheduler, capacity.kv)
+        self.pace = RunAheadPace(scheduler, self.cfg.run_ahead_depth,
+                                 self.cfg.run_ahead_budget_ms / 1e3)
+        return scheduler, served
 
     async def serve(self) -> None:
         """Step until a front says Shutdown (or the task is cancelled). A bug that ends the
@@ -268,9 +273,9 @@ class EngineCore:
             if self.pipeline.state is PipelineState.DOWN:
                 await self._recover()
                 continue
-            scheduler = self.scheduler
-            assert scheduler is not None
-            while self.pipeline.state is PipelineState.READY and self._room(scheduler):
+            scheduler, pace = self.scheduler, self.pace
+            assert scheduler is not None and pace is not None
+            while self.pipeline.state is PipelineState.READY and pace.room():
                 plans = []
                 while (plan := scheduler.schedule()) is not None:
                     self._sent_at[plan.step_id] = time.monotonic()
@@ -281,15 +286,6 @@ class EngineCore:
                 self.steps += len(plans)
                 await self.pipeline.send(plans, self._step_traces.of(plans, self.ledger.rules)
                                          if self.ledger.traced else None)
-
-    @staticmethod
-    def _room(scheduler: Scheduler) -> bool:
-        """Whether to plan now: with nothing outstanding, or room for half the outstanding
-        steps allowed now (with run-ahead deeper than 2, steps go out several to a message;
-        a gRPC message costs far more than a plan in it)."""
-        limit = scheduler.outstanding_limit
-        outstanding = scheduler.num_outstanding_steps
-        return outstanding == 0 or limit - outstanding >= max(1, limit // 2)
 
     def _note_prefix_hits(self, plan: StepPlan) -> None:
         """A sequence's first prefill starts at its prefix-cache hits, now (its queue time
@@ -302,11 +298,12 @@ class EngineCore:
                     (seq.seq_id, seq.num_computed_tokens, time.time()))
 
     def _on_outcome(self, outcome: StepOutcome) -> None:
-        sent = self._sent_at.pop(outcome.step_id, None)
+        sent, now = self._sent_at.pop(outcome.step_id, None), time.monotonic()
         if self.metrics is not None and sent is not None:
-            self.metrics.observe_step(time.monotonic() - sent, idle=not self._sent_at)
-        scheduler = self.scheduler
-        assert scheduler is not None
+            self.metrics.observe_step(now - sent, idle=not self._sent_at)
+        scheduler, pace = self.scheduler, self.pace
+        assert scheduler is not None and pace is not None
+        pace.answered(now, bool(self._sent_at))
         update = scheduler.update(outcome.step_id, outcome.tokens)
         capped = set(update.length_capped_seq_ids)
         batches: dict[int, FrontBatch] = {}
@@ -366,7 +363,8 @@ class EngineCore:
         sequences for recompute, and re-link when the stages are back (`Outage`)."""
         self.outage.begin(reason)
         self._sent_at.clear()
-        assert self.scheduler is not None
+        assert self.scheduler is not None and self.pace is not None
+        self.pace.reset()  # the re-linked pipeline's pace is measured afresh
         preempted = self.scheduler.preempt_all()
         log.warning("pipeline failure (%s): %d sequence(s) preempted for recompute", reason,
                     preempted)

@@ -48,6 +48,29 @@ class Scheduler:
         self.config = config
         self._state = SchedulerState(config, kv_config)
         self._arrivals = itertools.count()
+        self._depth = config.max_steps_per_seq
+
+    @property
+    def run_ahead_depth(self) -> int:
+        """With run-ahead, the steps of one sequence planned ahead in steady decode: from 2 up
+        to ``config.run_ahead_depth`` (the most, and the default). The caller may set it
+        between steps (the engine core paces it by how fast steps come back); steps already
+        outstanding past a lower depth are answered as usual, and no new one is planned until
+        fewer are outstanding.
+
+        Raises:
+            ValueError: set outside [2, config.run_ahead_depth], or without run-ahead.
+        """
+        return self._depth
+
+    @run_ahead_depth.setter
+    def run_ahead_depth(self, depth: int) -> None:
+        most = self.config.max_steps_per_seq
+        if not self.config.run_ahead or not 2 <= depth <= most:
+            raise ValueError(f"run_ahead_depth must be in [2, {most}] with run-ahead on, got "
+                             f"{depth}" if self.config.run_ahead
+                             else "run_ahead_depth is set only with run-ahead on")
+        self._depth = depth
 
     @property
     def kv_cache(self) -> KVCacheManager:
@@ -76,12 +99,14 @@ class Scheduler:
         while every sequence decodes; while requests wait to be admitted, or an outstanding
         step carries prompt work, at most P x 2: a request that arrives then is planned
         within two steps, not behind up to P x depth steps planned before it came (prefill
-        steps are the long ones). Deeper run-ahead is for the steady decode it speeds up."""
+        steps are the long ones). Deeper run-ahead is for the steady decode it speeds up. In
+        steady decode the depth is ``run_ahead_depth`` (at most the config's)."""
         config, state = self.config, self._state
-        limit = config.max_outstanding_steps
-        if config.run_ahead and (state.waiting or state.inflight.num_prefill):
-            return min(limit, config.max_inflight_steps * 2)
-        return limit
+        if not config.run_ahead:
+            return config.max_outstanding_steps
+        if state.waiting or state.inflight.num_prefill:
+            return config.max_inflight_steps * 2
+        return config.max_inflight_steps * self._depth
 
     @property
     def has_capacity(self) -> bool:

@@ -177,6 +177,8 @@ def test_serve_passes_stage_storage_flags_to_every_stage(tmp_path: Path, flag: s
     (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1"),
     (["serve", "--stream-interval", "0"], "argument --stream-interval: must be at least 1"),
     (["serve", "--run-ahead-depth", "1"], "argument --run-ahead-depth: must be at least 2"),
+    (["serve", "--run-ahead-budget-ms", "-5"], "argument --run-ahead-budget-ms: must be 0 or more"),
+    (["router", "--run-ahead-budget-ms", "x"], "argument --run-ahead-budget-ms: not a number of "),
     (["serve", "--step-timeout", "0"], "argument --step-timeout: must be more than 0 seconds"),
     (["router", "--max-model-len", "-1"], "argument --max-model-len: must be at least 0"),
     (["router", "--max-queued-requests", "0"], "argument --max-queued-requests: must be at "),

@@ -42,6 +42,7 @@ class SimReport:
     preempted_after_decoding: int = 0
     discarded_tokens: int = 0
     block_copies: int = 0
+    max_outstanding: int = 0
 
 
 def make_requests(rng: random.Random) -> list[SimRequest]:
@@ -66,15 +67,20 @@ def _check_disjoint(plan: StepPlan, outstanding: deque[StepPlan], window: int | 
                 f"steps {other.step_id} and {plan.step_id} share {ids & set(other.seq_ids)}")
 
 
-def simulate(pipeline_depth: int, run_ahead: bool, seed: int = 0) -> SimReport:
+def simulate(pipeline_depth: int, run_ahead: bool, seed: int = 0,
+             depths: tuple[int, ...] = ()) -> SimReport:
+    """`depths`: with run-ahead, the run-ahead depth is set to one of them, at random,
+    before every tick (as the engine core paces it); the config allows the largest."""
     rng = random.Random(seed)
+    pace = random.Random(seed + 1)
     requests = make_requests(rng)
     limits = {r.seq_id: r.max_tokens for r in requests}
     limits.update({c: r.max_tokens for r in requests for c in r.choice_ids})
     scheduler, pipeline = make_scheduler(
         num_blocks=96, block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
-        max_model_len=128, max_inflight_steps=pipeline_depth, run_ahead=run_ahead)
-    window = pipeline_depth if run_ahead else None
+        max_model_len=128, max_inflight_steps=pipeline_depth, run_ahead=run_ahead,
+        run_ahead_depth=max(depths, default=2))
+    window = pipeline_depth if run_ahead else None  # P consecutive steps share no sequence
     report = SimReport()
     outputs: dict[int, list[int]] = {sid: [] for sid in limits}
     arrivals = deque(requests)
@@ -88,12 +94,15 @@ def simulate(pipeline_depth: int, run_ahead: bool, seed: int = 0) -> SimReport:
                 scheduler.add_request(req.seq_id, req.prompt, req.seq_id,
                                       extra_choices=[ChoiceSpec(c, c) for c in req.choice_ids])
                 report.arrived[req.seq_id] = report.ticks
+        if depths:
+            scheduler.run_ahead_depth = pace.choice(depths)
         plan = scheduler.schedule()
         if plan is not None:
             check_plan_protocol(plan)
             _check_disjoint(plan, outstanding, window)
             _record(plan, report, outputs)
             outstanding.append(plan)
+            report.max_outstanding = max(report.max_outstanding, len(outstanding))
         head = len(report.start_order)  # requests start in arrival order (asserted below)
         if head in report.arrived and head not in report.first_scheduled:
             report.head_ticks[head] = report.head_ticks.get(head, 0) + 1
@@ -145,3 +154,14 @@ def test_thousand_requests_complete_with_reference_tokens(pipeline_depth: int,
     assert report.block_copies > 0, "no choice forked off a partial block"
     if run_ahead:
         assert report.discarded_tokens > 0, "no finish was learned late"
+
+
+@pytest.mark.parametrize("pipeline_depth", [1, 2])
+def test_a_run_ahead_depth_changed_between_steps_keeps_every_token(pipeline_depth: int) -> None:
+    """The engine core deepens and shallows run-ahead as the pipeline's pace changes
+    (`router.core.pace`): steps planned at a depth the scheduler has since left behind are
+    answered as usual, and every sequence still produces exactly its reference tokens."""
+    report = simulate(pipeline_depth, run_ahead=True, depths=(2, 3, 8))
+    assert report.start_order == list(range(NUM_REQUESTS)), "a request was overtaken"
+    assert report.discarded_tokens > 0, "no finish was learned late"
+    assert report.max_outstanding > 3 * pipeline_depth, "never deeper than depth 3"
