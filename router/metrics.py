@@ -97,6 +97,10 @@ class CoreMetrics:
         self.in_flight = Gauge(PREFIX + "steps_in_flight", "Steps (micro-batches) sent to the "
                                "pipeline and not yet answered", registry=r,
                                multiprocess_mode="mostrecent")
+        self.run_ahead_depth = Gauge(PREFIX + "run_ahead_depth", "Steps of one sequence "
+                                     "planned ahead in steady decode (1: no run-ahead); paced "
+                                     "by --run-ahead-budget-ms", registry=r,
+                                     multiprocess_mode="mostrecent")
         self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked "
                                       "up in the prefix cache", registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the "
@@ -136,6 +140,7 @@ class CoreMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(kv.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0)
         self.in_flight.set(stats.num_outstanding_steps)
+        self.run_ahead_depth.set(stats.run_ahead_depth)
         now = (kv.prefix_query_tokens, kv.prefix_hit_tokens, stats.num_preemptions, steps)
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions,
                                       self.steps), now, self._seen, strict=True):

@@ -27,6 +27,7 @@ class SchedulerStats:
     num_preemptions: int
     num_steps: int
     kv: KVCacheUsage
+    run_ahead_depth: int = 1  # steps of one sequence planned ahead in steady decode
 
 
 class Scheduler:
@@ -268,6 +269,7 @@ class Scheduler:
             num_waiting=len(state.waiting), num_running=len(state.running),
             num_outstanding_steps=len(state.inflight), num_preemptions=state.num_preemptions,
             num_steps=state.next_step_id, kv=state.kv.usage(),
+            run_ahead_depth=self._depth if self.config.run_ahead else 1,
         )
 
     def check_integrity(self) -> None:

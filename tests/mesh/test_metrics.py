@@ -100,6 +100,7 @@ def test_router_counts_what_was_sent(scraped: tuple[Mesh, dict[str, str], int]) 
     assert value("stagemesh_step_latency_seconds_count") == steps
     assert value("stagemesh_num_requests_running") == 0
     assert value("stagemesh_kv_cache_usage_perc") == 0
+    assert value("stagemesh_run_ahead_depth") == 4  # a CPU model's steps: tens of ms, no deeper
     assert value("stagemesh_prefix_cache_queries_total") == prompt_tokens
     assert value("stagemesh_recoveries_total") == 0
 

@@ -21,6 +21,7 @@ import pytest
 
 from foundation.ports import free_port
 from router.client import RouterClient
+from router.core.pace import RunAheadPace
 from router.frontend import CoreStartError
 from tests.default_model import default_model_dir
 from tests.router.inprocess import in_process_mesh, stage_configs, start_stage
@@ -313,25 +314,40 @@ def test_default_model_two_stages_match_hf_greedy(model_dir: Path, micro_batches
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
-def test_run_ahead_gives_the_same_tokens(model_dir: Path, num_stages: int) -> None:
+def test_run_ahead_gives_the_same_tokens(model_dir: Path, num_stages: int,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Null model: token (seq_id + tokens output) mod vocab is a function of what the last
     stage holds, and a run-ahead input that went astray would desynchronise the stages'
     histories (a plan error). Which request gets which sequence id depends on the order the
-    server takes them in, so each output is checked against its own sequence id."""
-    async def tokens(run_ahead: bool) -> list[list[int]]:
-        async with in_process_mesh(null_stages(model_dir, num_stages),
-                                   run_ahead=run_ahead) as mesh, mesh.client() as client:
+    server takes them in, so each output is checked against its own sequence id. Run
+    ahead at the configured depth, paced as deep as it goes (a budget no pace misses: the
+    depth goes to twice --run-ahead-depth), and not at all."""
+    depths: list[int] = []
+    answered = RunAheadPace.answered
+
+    def noting(pace: RunAheadPace, now: float, still_outstanding: bool) -> None:
+        answered(pace, now, still_outstanding)
+        depths.append(pace.scheduler.run_ahead_depth)
+
+    monkeypatch.setattr(RunAheadPace, "answered", noting)
+
+    async def tokens(run_ahead: bool, budget_ms: float) -> list[list[int]]:
+        async with in_process_mesh(null_stages(model_dir, num_stages), run_ahead=run_ahead,
+                                   run_ahead_budget_ms=budget_ms) as mesh, \
+                mesh.client() as client:
             outs = await asyncio.gather(*(
                 client.complete(prompt=f"request {i}", max_tokens=24 + i, ignore_eos=True,
                                 request_id=f"r{i}") for i in range(6)))
             await wait_idle(client, mesh.stage_sequences)
             return [o.token_ids[0] for o in outs]
 
-    for run_ahead in (True, False):
-        outs = asyncio.run(tokens(run_ahead))
+    for run_ahead, budget_ms, deepest in ((True, 0.0, 4), (True, 1e6, 8), (False, 0.0, 1)):
+        depths.clear()
+        outs = asyncio.run(tokens(run_ahead, budget_ms))
         assert [len(t) for t in outs] == list(range(24, 30))  # max_tokens, exactly
         assert sorted(t[0] for t in outs) == list(range(1, 7))  # sequence ids 1..6
         assert all(t == list(range(t[0], t[0] + len(t))) for t in outs)
+        assert max(depths, default=1) == deepest, (run_ahead, budget_ms, set(depths))
 
 
 @pytest.mark.parametrize(("num_stages", "micro_batches"), [(2, 1), (3, 1), (3, 2)])
