@@ -53,23 +53,21 @@ def layer_split(text: str) -> tuple[int, ...]:
 
 def seconds(text: str) -> float:
     """A duration flag: a number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
-    return value
+    return _duration(text, "seconds")
 
 
 def milliseconds(text: str) -> float:
     """A duration flag in milliseconds, 0 or more."""
+    return _duration(text, "milliseconds")
+
+
+def _duration(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number of {unit}: {text!r}") from None
     if not value >= 0:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be 0 or more milliseconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be 0 or more {unit}, got {text}")
     return value
 
 

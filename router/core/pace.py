@@ -6,7 +6,9 @@ short (small models, CPU stages: the control plane, W6). Its price is paid by a 
 that arrives during steady decode: its first step runs behind every step already planned,
 `micro_batches * depth` of them. `RunAheadPace` keeps the configured depth at any pace and
 goes deeper, up to the most allowed, only while that many steps run within a time budget:
-on a GPU, where a step takes milliseconds, it never moves from the configured depth.
+a large model's steps on a GPU, several milliseconds each, never move it from the configured
+depth. The mean of the intervals is the pipeline's pace even where answers come several to a
+message (intervals near 0 between them, and one as long as all of them before).
 """
 
 from __future__ import annotations

@@ -67,10 +67,10 @@ class Scheduler:
     @run_ahead_depth.setter
     def run_ahead_depth(self, depth: int) -> None:
         most = self.config.max_steps_per_seq
-        if not self.config.run_ahead or not 2 <= depth <= most:
-            raise ValueError(f"run_ahead_depth must be in [2, {most}] with run-ahead on, got "
-                             f"{depth}" if self.config.run_ahead
-                             else "run_ahead_depth is set only with run-ahead on")
+        if not self.config.run_ahead:
+            raise ValueError("run_ahead_depth is set only with run-ahead on")
+        if not 2 <= depth <= most:
+            raise ValueError(f"run_ahead_depth must be in [2, {most}], got {depth}")
         self._depth = depth
 
     @property

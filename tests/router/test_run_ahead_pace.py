@@ -108,7 +108,7 @@ def test_without_run_ahead_the_pace_leaves_the_scheduler_alone() -> None:
 def test_the_scheduler_refuses_a_depth_outside_its_range() -> None:
     _, scheduler = _paced()
     for depth in (1, 9):
-        with pytest.raises(ValueError, match=r"run_ahead_depth must be in \[2, 8\]"):
+        with pytest.raises(ValueError, match=r"run_ahead_depth must be in \[2, 8\], got"):
             scheduler.run_ahead_depth = depth
     plain, _ = make_scheduler()
     with pytest.raises(ValueError, match="only with run-ahead"):
@@ -135,3 +135,17 @@ def test_room_sends_steps_in_bursts_of_half_the_limit() -> None:
     assert not pace.room()
     scheduler.update(planned[7].step_id, dict.fromkeys(planned[7].seq_ids, 7))
     assert pace.room()
+
+
+def test_answers_that_come_two_to_a_message_pace_as_their_mean() -> None:
+    """The last stage answers the steps done together in one message: the core sees two
+    answers at once, then a gap of two steps. The depth follows the mean (2.5 ms, where
+    2 x 4 steps take the 20 ms), not the near-zero gaps."""
+    pace, scheduler = _paced()
+    now = 100.0
+    for _ in range(40):
+        pace.answered(now, still_outstanding=True)
+        pace.answered(now, still_outstanding=True)
+        now += 0.005
+    assert pace.interval_s == pytest.approx(0.0025, rel=0.1)
+    assert scheduler.run_ahead_depth == 4
