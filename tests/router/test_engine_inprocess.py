@@ -21,7 +21,6 @@ import pytest
 
 from foundation.ports import free_port
 from router.client import RouterClient
-from router.core.pace import RunAheadPace
 from router.frontend import CoreStartError
 from tests.default_model import default_model_dir
 from tests.router.inprocess import in_process_mesh, stage_configs, start_stage
@@ -308,90 +307,6 @@ def test_default_model_two_stages_match_hf_greedy(model_dir: Path, micro_batches
                 client.complete(token_ids=p, max_tokens=MAX_NEW, temperature=0.0)
                 for p in prompts))
             assert [o.token_ids[0] for o in outs] == want
-            await wait_idle(client, mesh.stage_sequences)
-
-    asyncio.run(run())
-
-
-@pytest.mark.parametrize("num_stages", [1, 2, 3])
-def test_run_ahead_gives_the_same_tokens(model_dir: Path, num_stages: int,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Null model: token (seq_id + tokens output) mod vocab is a function of what the last
-    stage holds, and a run-ahead input that went astray would desynchronise the stages'
-    histories (a plan error). Which request gets which sequence id depends on the order the
-    server takes them in, so each output is checked against its own sequence id. Run
-    ahead at the configured depth, paced as deep as it goes (a budget no pace misses: the
-    depth goes to twice --run-ahead-depth), and not at all."""
-    depths: list[int] = []
-    answered = RunAheadPace.answered
-
-    def noting(pace: RunAheadPace, now: float, still_outstanding: bool) -> None:
-        answered(pace, now, still_outstanding)
-        depths.append(pace.scheduler.run_ahead_depth)
-
-    monkeypatch.setattr(RunAheadPace, "answered", noting)
-
-    async def tokens(run_ahead: bool, budget_ms: float) -> list[list[int]]:
-        async with in_process_mesh(null_stages(model_dir, num_stages), run_ahead=run_ahead,
-                                   run_ahead_budget_ms=budget_ms) as mesh, \
-                mesh.client() as client:
-            outs = await asyncio.gather(*(
-                client.complete(prompt=f"request {i}", max_tokens=24 + i, ignore_eos=True,
-                                request_id=f"r{i}") for i in range(6)))
-            await wait_idle(client, mesh.stage_sequences)
-            return [o.token_ids[0] for o in outs]
-
-    for run_ahead, budget_ms, deepest in ((True, 0.0, 4), (True, 1e6, 8), (False, 0.0, 1)):
-        depths.clear()
-        outs = asyncio.run(tokens(run_ahead, budget_ms))
-        assert [len(t) for t in outs] == list(range(24, 30))  # max_tokens, exactly
-        assert sorted(t[0] for t in outs) == list(range(1, 7))  # sequence ids 1..6
-        assert all(t == list(range(t[0], t[0] + len(t))) for t in outs)
-        assert max(depths, default=1) == deepest, (run_ahead, budget_ms, set(depths))
-
-
-@pytest.mark.parametrize(("num_stages", "micro_batches"), [(2, 1), (3, 1), (3, 2)])
-def test_fewer_micro_batches_than_stages_give_the_same_tokens(
-        model_dir: Path, num_stages: int, micro_batches: int) -> None:
-    """As stages that share a GPU run: a step planned on the one before it (run-ahead gap
-    1 or 2 over 2-3 stages), so stage 0 waits for tokens sampled one step earlier. Token
-    checks as `test_run_ahead_gives_the_same_tokens`; KV back to idle everywhere."""
-    async def run() -> list[list[int]]:
-        async with in_process_mesh(null_stages(model_dir, num_stages),
-                                   micro_batches=micro_batches) as mesh, \
-                mesh.client() as client:
-            assert (await client.model_info()).micro_batches == micro_batches
-            outs = await asyncio.gather(*(
-                client.complete(prompt=f"request {i}", max_tokens=24 + i, ignore_eos=True,
-                                request_id=f"r{i}") for i in range(6)))
-            await wait_idle(client, mesh.stage_sequences)
-            return [o.token_ids[0] for o in outs]
-
-    outs = asyncio.run(run())
-    assert [len(t) for t in outs] == list(range(24, 30))
-    assert sorted(t[0] for t in outs) == list(range(1, 7))
-    assert all(t == list(range(t[0], t[0] + len(t))) for t in outs)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("run_ahead", [True, False])
-def test_default_model_stop_strings_end_choices_with_and_without_run_ahead(
-        model_dir: Path, run_ahead: bool) -> None:
-    """A stop string found by the front ends the choice; with run-ahead the core has already
-    planned the next token, which must be discarded, and the blocks still come back."""
-    configs = stage_configs(model_dir, 2, num_blocks=128)
-
-    async def run() -> None:
-        async with in_process_mesh(configs, run_ahead=run_ahead) as mesh, \
-                mesh.client() as client:
-            full = await client.complete(prompt="The capital of France is", max_tokens=24,
-                                         temperature=0.0, ignore_eos=True)
-            text = full.texts[0]
-            stop = text.split()[2]  # a word in the middle of the greedy continuation
-            cut = await client.complete(prompt="The capital of France is", max_tokens=24,
-                                        temperature=0.0, ignore_eos=True, stop=[stop])
-            assert cut.finish_reasons == ["stop"]
-            assert cut.texts[0] == text[:text.index(stop)]
             await wait_idle(client, mesh.stage_sequences)
 
     asyncio.run(run())
