@@ -27,7 +27,7 @@ class SchedulerStats:
     num_preemptions: int
     num_steps: int
     kv: KVCacheUsage
-    run_ahead_depth: int = 1  # steps of one sequence planned ahead in steady decode
+    run_ahead_depth: int  # steps of one sequence planned ahead in steady decode (1: none)
 
 
 class Scheduler:
@@ -49,7 +49,7 @@ class Scheduler:
         self.config = config
         self._state = SchedulerState(config, kv_config)
         self._arrivals = itertools.count()
-        self._depth = config.max_steps_per_seq
+        self._depth = config.max_steps_per_seq  # 1 without run-ahead
 
     @property
     def run_ahead_depth(self) -> int:
@@ -103,9 +103,7 @@ class Scheduler:
         steps are the long ones). Deeper run-ahead is for the steady decode it speeds up. In
         steady decode the depth is ``run_ahead_depth`` (at most the config's)."""
         config, state = self.config, self._state
-        if not config.run_ahead:
-            return config.max_outstanding_steps
-        if state.waiting or state.inflight.num_prefill:
+        if config.run_ahead and (state.waiting or state.inflight.num_prefill):
             return config.max_inflight_steps * 2
         return config.max_inflight_steps * self._depth
 
@@ -269,7 +267,7 @@ class Scheduler:
             num_waiting=len(state.waiting), num_running=len(state.running),
             num_outstanding_steps=len(state.inflight), num_preemptions=state.num_preemptions,
             num_steps=state.next_step_id, kv=state.kv.usage(),
-            run_ahead_depth=self._depth if self.config.run_ahead else 1,
+            run_ahead_depth=self._depth,
         )
 
     def check_integrity(self) -> None:
