@@ -28,6 +28,7 @@ from foundation.model_config import ModelConfig
 from foundation.modelstore import resolve_model
 from foundation.ports import free_port, reserve
 from stage_worker.partition import partition_layers
+from stagemesh import cpu_policy
 from stagemesh.placement import auto_layers
 from stagemesh.supervised import supervisor_env
 
@@ -322,6 +323,7 @@ def launch(args: argparse.Namespace, api_keys: frozenset[str] = frozenset()) -> 
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    set_cpu_policy(args)
     with tempfile.TemporaryDirectory(prefix="stagemesh-") as tmp:
         children = build_children(args, Path(tmp), api_keys)
         try:  # whatever ends serve (an error, a signal, a closed stdout), its children stop
@@ -339,6 +341,24 @@ def launch(args: argparse.Namespace, api_keys: frozenset[str] = frozenset()) -> 
             _stop(children, args.drain_timeout + STOP_MARGIN_S)
     print("stagemesh serve: stopped", file=sys.stderr)
     return 0
+
+
+def set_cpu_policy(args: argparse.Namespace) -> cpu_policy.CpuPolicy | None:
+    """Set serve's scheduling policy, before it starts any child: every child, and every
+    thread in it, inherits it (`stagemesh.cpu_policy`). `auto` that comes out normal leaves
+    the policy serve was started with. Returns the policy set, None where none was."""
+    if not cpu_policy.supported():  # batch was refused at the command line
+        return None
+    busy = args.stages * args.tp + 1 + args.api_processes  # stage ranks, core, fronts
+    cores = cpu_policy.usable_cores()
+    policy = cpu_policy.choose(args.cpu_policy, busy, cores)
+    if policy == "normal" and args.cpu_policy == "auto":
+        return None
+    cpu_policy.apply(policy)
+    if args.cpu_policy == "auto":
+        print(f"stagemesh serve: --cpu-policy auto: {policy} ({busy} processes work on every "
+              f"step, {cores} usable cores)", flush=True)
+    return policy
 
 
 def _print_endpoints(children: list[Child], args: argparse.Namespace) -> None:

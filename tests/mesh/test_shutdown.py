@@ -98,12 +98,17 @@ def test_sigterm_while_starting_stops_every_process_without_waiting_for_ready() 
 
 def test_a_killed_serve_takes_every_process_it_started_with_it() -> None:
     """serve SIGKILLed (or taken by the OOM killer) runs no code of its own: its router,
-    stages, TP ranks and gateway end by themselves, as on a SIGTERM to serve."""
+    stages, TP ranks and gateway end by themselves, as on a SIGTERM to serve. Every one of
+    them, each of its threads included, runs under the --cpu-policy serve set."""
     mesh = Mesh("--stages", "2", "--tp", "2", "--model-impl", "null", "--num-blocks", "256",
-                gateway_port=free_port())
+                "--cpu-policy", "batch", gateway_port=free_port())
     try:
         pids = children_and_theirs(mesh.proc.proc.pid)
         assert len(pids) >= 7, pids  # router, its core, 2 stage leaders, 2 TP ranks, gateway
+        threads = [(pid, int(tid)) for pid in pids for tid in os.listdir(f"/proc/{pid}/task")]
+        assert len(threads) > 2 * len(pids)  # gRPC's, the stages' step and feedback threads
+        assert {tid: os.sched_getscheduler(tid) for _, tid in threads} == {
+            tid: os.SCHED_BATCH for _, tid in threads}
         os.kill(mesh.proc.proc.pid, signal.SIGKILL)
         assert still_alive(pids, 30) == []
     finally:
