@@ -17,7 +17,6 @@ from pathlib import Path
 
 import uvicorn
 
-from foundation.heap import freeze_startup_heap
 from foundation.tls import ListenError, refuse_if_taken
 from foundation.tracing import setup_tracing
 from gateway.app import GatewayApp
@@ -60,7 +59,6 @@ async def serve_gateway(cfg: GatewayConfig, ready_file: Path | None = None) -> i
     keys = f"{len(cfg.api_keys)} API key(s)" if cfg.api_keys else "no API keys"
     log.info("gateway listening on http://%s (router %s, %d connection(s), %s)", address,
              cfg.router, cfg.router_connections, keys)
-    freeze_startup_heap("gateway")
     if ready_file is not None:
         _write_ready(ready_file, address)
     await serving

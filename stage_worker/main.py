@@ -17,7 +17,6 @@ from grpc_reflection.v1alpha import reflection
 
 from foundation.api_keys import ApiKeys
 from foundation.grpc_auth import BearerInterceptor
-from foundation.heap import freeze_startup_heap
 from foundation.metrics import serve_metrics
 from foundation.ports import free_port
 from foundation.tls import ListenError, ServerTls, add_port
@@ -163,7 +162,6 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
                  identity.layer_start, identity.layer_end - 1, identity.model_impl,
                  identity.num_kv_blocks, identity.max_num_batched_tokens,
                  identity.max_num_seqs, address)
-    freeze_startup_heap(f"stage {cfg.stage_index}" if not cfg.standby else "standby stage")
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(address)

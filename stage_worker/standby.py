@@ -18,7 +18,6 @@ from dataclasses import replace
 
 import grpc
 
-from foundation.heap import freeze_startup_heap
 from foundation.model_config import ModelConfig
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc
@@ -122,7 +121,6 @@ class StandbyServicer(stage_pb2_grpc.StageServiceServicer):
                                     f"{e}")
                 raise AssertionError("unreachable") from e
             self.inner, self._assigned = servicer, want
-            freeze_startup_heap(f"stage {request.stage_index} (was a standby)")
             log.info("standby: now stage %d of %d (layers %d-%d, %d KV blocks)",
                      request.stage_index, request.num_stages, request.layer_start,
                      request.layer_end - 1, servicer.identity.num_kv_blocks)

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from foundation.grpc_auth import STAGE_TOKEN_ENV
-from foundation.heap import freeze_startup_heap
 from foundation.model_config import ModelConfig
 from foundation.modelstore import resolve_model
 from foundation.ports import free_port, reserve
@@ -334,7 +333,6 @@ def launch(args: argparse.Namespace, api_keys: frozenset[str] = frozenset()) -> 
                 _wait_ready(children, time.monotonic() + READY_TIMEOUT_S, stop)
                 if not stop["signal"]:
                     _print_endpoints(children, args)
-                    freeze_startup_heap("serve")
                     _supervise(children, stop)
             except RuntimeError as e:
                 print(f"stagemesh serve: {e}", file=sys.stderr, flush=True)
