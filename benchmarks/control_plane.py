@@ -6,7 +6,9 @@ the same run. Beside it, each part's CPU per step over the same window (from /pr
 router's front 0, its engine core, each stage, and this process as the client), which
 varies far less between runs on a shared machine than steps/s does, each part's wake-ups a
 step (a thread that blocked and was woken; on a machine of few cores a wake-up costs more
-than most of the code it runs), and, before and after the run, the machine's Python speed
+than most of the code it runs), each part's preemptions a step (a thread that could still
+run had its core taken: a woken thread preempted it, or its slice ended), and, before and
+after the run, the machine's Python speed
 (`report.python_ns_per_op`): W6 is bound by Python on the CPU, so runs on other machines,
 or other hours of a shared VM, compare only beside it.
 
@@ -33,8 +35,10 @@ from typing import Any
 
 from benchmarks.report import (
     git_revision,
+    preemptions,
     print_table,
     process_cpu,
+    process_preemptions,
     process_wakeups,
     python_ns_per_op,
     wakeups,
@@ -50,14 +54,15 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
                         settle_s: float = 0.5,
                         cpu: Callable[[], dict[str, float]] = dict,
                         woken: Callable[[], dict[str, float]] = dict,
-                        probes: int = 0) -> dict[str, Any]:
+                        probes: int = 0,
+                        preempted: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
     """Keep one sequence decoding per entry of `requests` (`RouterClient.generate` keyword
     arguments; each is submitted again when it ends). Once all run and `settle_s` more has
     passed: the router's steps, the tokens streamed, the CPU seconds by part (`cpu()`, plus
-    this process as "client") and the wake-ups by part (`woken()`, the same) over
-    `window_s`. Then `probes` one-token requests, one after another, each into the steady
-    decode: their times to first token ("probe_ttft_ms"), which include the wait behind
-    the steps planned before they came."""
+    this process as "client"), the wake-ups by part (`woken()`, the same) and the
+    preemptions by part (`preempted()`, the same) over `window_s`. Then `probes` one-token
+    requests, one after another, each into the steady decode: their times to first token
+    ("probe_ttft_ms"), which include the wait behind the steps planned before they came."""
     async with RouterClient(address) as client:
         tokens = 0
 
@@ -75,9 +80,11 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
             s0, t0, k0 = (await client.stats()).steps, time.perf_counter(), tokens
             c0 = {**cpu(), "client": time.process_time()}
             w0 = {**woken(), "client": wakeups(os.getpid())}
+            p0 = {**preempted(), "client": preemptions(os.getpid())}
             await asyncio.sleep(window_s)
             c1 = {**cpu(), "client": time.process_time()}
             w1 = {**woken(), "client": wakeups(os.getpid())}
+            p1 = {**preempted(), "client": preemptions(os.getpid())}
             s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
             ttft = [await _probe(client, i) for i in range(probes)]
         finally:
@@ -87,6 +94,7 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
     return {"steps": s1 - s0, "seconds": t1 - t0, "tokens": k1 - k0,
             "cpu_s": {part: c1[part] - c0.get(part, 0.0) for part in sorted(c1)},
             "wakeups": {part: w1[part] - w0.get(part, 0) for part in sorted(w1)},
+            "preemptions": {part: p1[part] - p0.get(part, 0) for part in sorted(p1)},
             "probe_ttft_ms": ttft}
 
 
@@ -103,24 +111,29 @@ async def _probe(client: RouterClient, i: int) -> float:
 async def measure(address: str, seqs: int, window_s: float,
                   cpu: Callable[[], dict[str, float]],
                   woken: Callable[[], dict[str, float]] = dict,
-                  probes: int = 0) -> dict[str, Any]:
+                  probes: int = 0,
+                  preempted: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
     """W6: `seqs` sequences decoding (`steady_decode`); steps/s, tokens streamed per second
-    and each part's CPU and wake-ups per step, then `probes` requests' times to first token
-    (median and largest). A request is as long as the KV pool lets every sequence be (no
+    and each part's CPU, wake-ups and preemptions per step, then `probes` requests' times to
+    first token (median and largest). A request is as long as the KV pool lets every sequence be (no
     preemption)."""
     max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
     requests = [dict(prompt=f"request {i}", max_tokens=max_tokens, ignore_eos=True,
                      temperature=0.0) for i in range(seqs)]
-    got = await steady_decode(address, requests, window_s, cpu=cpu, woken=woken, probes=probes)
+    got = await steady_decode(address, requests, window_s, cpu=cpu, woken=woken, probes=probes,
+                              preempted=preempted)
     steps = max(got["steps"], 1)
     steps_s = got["steps"] / got["seconds"]
     cpu_us = {part: round(s * 1e6 / steps) for part, s in got["cpu_s"].items()}
     woke = {part: round(n / steps, 2) for part, n in got["wakeups"].items()}
+    taken = {part: round(n / steps, 2) for part, n in got["preemptions"].items()}
     return {"steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
             "tokens_per_s": got["tokens"] / got["seconds"],
             "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us,
             "wakeups_per_step": round(sum(woke.values()), 2),
             "wakeups_per_step_by_part": woke,
+            "preemptions_per_step": round(sum(taken.values()), 2),
+            "preemptions_per_step_by_part": taken,
             **({"probe_ttft_ms_p50": round(statistics.median(ttft), 2),
                 "probe_ttft_ms_max": round(max(ttft), 2)} if (ttft := got["probe_ttft_ms"])
                else {})}
@@ -173,9 +186,10 @@ def main() -> None:
                   *(["--no-metrics"] if args.no_metrics else []), *args.extra.split()) as mesh:
             cpu = functools.partial(process_cpu, mesh.proc.proc.pid)
             woken = functools.partial(process_wakeups, mesh.proc.proc.pid)
+            preempted = functools.partial(process_preemptions, mesh.proc.proc.pid)
             probes = args.probes if mb > 1 else 0
             result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu, woken,
-                                         probes))
+                                         probes, preempted))
         rows.append({"stages": p, "micro_batches": mb, **result})
         print(rows[-1], flush=True)
     config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)
@@ -187,6 +201,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['stages']} stage(s), CPU µs per step:", r["cpu_us_per_step_by_part"])
         print(f"{r['stages']} stage(s), wake-ups per step:", r["wakeups_per_step_by_part"])
+        print(f"{r['stages']} stage(s), preemptions per step:",
+              r["preemptions_per_step_by_part"])
     print("this machine's Python speed, ns per op of `report.python_ns_per_op` (before / "
           f"after): {config['python_ns_per_op_before']} / {config['python_ns_per_op_after']}")
 

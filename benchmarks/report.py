@@ -123,6 +123,18 @@ def cpu_seconds(pid: int) -> float:
 def wakeups(pid: int) -> int:
     """Voluntary context switches so far of every thread of process `pid`: how many times one
     of its threads blocked (a poll, a lock, a sleep) and was woken, from /proc (Linux)."""
+    return _context_switches(pid, "\nvoluntary_ctxt_switches:")
+
+
+def preemptions(pid: int) -> int:
+    """Involuntary context switches so far of every thread of process `pid`: how many times
+    the kernel took a core from one of its threads while it could still run (its slice
+    ended, or a woken thread preempted it), from /proc (Linux)."""
+    return _context_switches(pid, "\nnonvoluntary_ctxt_switches:")
+
+
+def _context_switches(pid: int, field: str) -> int:
+    """`field` of /proc/PID/task/TID/status, summed over the threads of `pid`."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -130,7 +142,7 @@ def wakeups(pid: int) -> int:
                 status = f.read()
         except OSError:  # the thread ended meanwhile
             continue
-        total += int(status.split("voluntary_ctxt_switches:", 1)[1].split(None, 1)[0])
+        total += int(status.split(field, 1)[1].split(None, 1)[0])
     return total
 
 
@@ -145,6 +157,11 @@ def process_wakeups(root: int) -> dict[str, float]:
     """`wakeups` of `root` and every process under it, summed by role as `process_cpu`'s.
     Two calls around a run give each part's wake-ups over it."""
     return _by_role(root, wakeups)
+
+
+def process_preemptions(root: int) -> dict[str, float]:
+    """`preemptions` of `root` and every process under it, summed by role as `process_cpu`'s."""
+    return _by_role(root, preemptions)
 
 
 def _by_role(root: int, count: Callable[[int], float]) -> dict[str, float]:
