@@ -8,9 +8,9 @@ varies far less between runs on a shared machine than steps/s does, each part's 
 step (a thread that blocked and was woken; on a machine of few cores a wake-up costs more
 than most of the code it runs), each part's preemptions a step (a thread that could still
 run had its core taken: a woken thread preempted it, or its slice ended), and, before and
-after the run, the machine's Python speed
-(`report.python_ns_per_op`): W6 is bound by Python on the CPU, so runs on other machines,
-or other hours of a shared VM, compare only beside it.
+after the run, the machine's Python speed (`report.python_ns_per_op`): W6 is bound by
+Python on the CPU, so runs on other machines, or other hours of a shared VM, compare only
+beside it.
 
 The stages keep a micro-batch each in flight (`--micro-batches`, default one per stage, as W6
 has run since it was defined), although serve's own default on one machine's cores is one
@@ -115,8 +115,8 @@ async def measure(address: str, seqs: int, window_s: float,
                   preempted: Callable[[], dict[str, float]] = dict) -> dict[str, Any]:
     """W6: `seqs` sequences decoding (`steady_decode`); steps/s, tokens streamed per second
     and each part's CPU, wake-ups and preemptions per step, then `probes` requests' times to
-    first token (median and largest). A request is as long as the KV pool lets every sequence be (no
-    preemption)."""
+    first token (median and largest). A request is as long as the KV pool lets every
+    sequence be (no preemption)."""
     max_tokens = min(4000, NUM_BLOCKS * BLOCK_SIZE // seqs - 2 * BLOCK_SIZE)
     requests = [dict(prompt=f"request {i}", max_tokens=max_tokens, ignore_eos=True,
                      temperature=0.0) for i in range(seqs)]

@@ -8,8 +8,9 @@ caches. Under `SCHED_BATCH` a woken thread does not preempt the running one; it 
 that one blocks or its slice ends, and then usually finds more work queued, so the mesh
 makes fewer switches and wake-ups for the same steps. Priorities (nice values) are unchanged.
 
-On the 2-core VM, W6 (2 stages, 64 sequences, stream interval 16) made about 10.5 wake-ups
-a step instead of 17 and spent 14 % less CPU a step, and new requests' times to first
+On the 2-core VM, W6 (2 stages, 64 sequences, stream interval 16) ran 13 % more steps a
+second batched: its processes were preempted about 3 times a step instead of 8.5, woke 14
+times instead of 17.5 and spent 11 % less CPU a step, and new requests' times to first
 token were lower too (docs/BENCHMARKS.md, "W6: the mesh's processes under SCHED_BATCH").
 With cores to spare a woken thread finds an idle one and the policy changes nothing, so
 `auto` keeps the default there.
