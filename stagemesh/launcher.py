@@ -349,7 +349,8 @@ def set_cpu_policy(args: argparse.Namespace) -> cpu_policy.CpuPolicy | None:
     the policy serve was started with. Returns the policy set, None where none was."""
     if not cpu_policy.supported():  # batch was refused at the command line
         return None
-    busy = args.stages * args.tp + 1 + args.api_processes  # stage ranks, core, fronts
+    core = 1 if args.engine_core == "process" else 0  # a task of front 0: no process
+    busy = args.stages * args.tp + core + args.api_processes  # stage ranks, core, fronts
     cores = cpu_policy.usable_cores()
     policy = cpu_policy.choose(args.cpu_policy, busy, cores)
     if policy == "normal" and args.cpu_policy == "auto":

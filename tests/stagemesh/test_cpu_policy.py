@@ -43,8 +43,10 @@ def test_serve_refuses_an_unknown_policy_at_the_command_line(
     assert "--cpu-policy: invalid choice: 'fifo'" in capsys.readouterr().err
 
 
-def _serve_args(policy: str, stages: int = 2, tp: int = 1) -> argparse.Namespace:
-    return argparse.Namespace(cpu_policy=policy, stages=stages, tp=tp, api_processes=1)
+def _serve_args(policy: str, stages: int = 2, tp: int = 1,
+                engine_core: str = "process") -> argparse.Namespace:
+    return argparse.Namespace(cpu_policy=policy, stages=stages, tp=tp, api_processes=1,
+                              engine_core=engine_core)
 
 
 @needs_linux
@@ -57,7 +59,10 @@ def test_auto_with_cores_to_spare_leaves_the_policy_alone(
     assert set_cpu_policy(_serve_args("normal")) == "normal"  # asked: set, even if inherited
     monkeypatch.setattr(cpu_policy, "usable_cores", lambda: 2)
     assert set_cpu_policy(_serve_args("auto")) == "batch"  # 2 stages, core, front: 4 > 2
-    assert applied == ["normal", "batch"]
+    # A core that is a task of the front is no process of its own: 1 stage and the front.
+    assert set_cpu_policy(_serve_args("auto", stages=1, engine_core="task")) is None
+    assert set_cpu_policy(_serve_args("auto", stages=1)) == "batch"  # 3 > 2
+    assert applied == ["normal", "batch", "batch"]
 
 
 @needs_linux
@@ -69,7 +74,8 @@ def test_what_serve_sets_is_inherited_by_later_threads_and_processes() -> None:
         from stagemesh import cpu_policy
         from stagemesh.launcher import set_cpu_policy
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        args = argparse.Namespace(cpu_policy="auto", stages=1, tp=1, api_processes=1)
+        args = argparse.Namespace(cpu_policy="auto", stages=1, tp=1, api_processes=1,
+                                  engine_core="process")
         seen = [set_cpu_policy(args), cpu_policy.current()]
         thread = threading.Thread(target=lambda: seen.append(cpu_policy.current()))
         thread.start()
