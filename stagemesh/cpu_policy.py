@@ -64,11 +64,3 @@ def apply(policy: CpuPolicy) -> None:
                       "(Linux only); use --cpu-policy normal")
     which = os.SCHED_BATCH if policy == "batch" else os.SCHED_OTHER
     os.sched_setscheduler(0, which, os.sched_param(0))
-
-
-def current() -> CpuPolicy | str:
-    """The calling thread's policy: normal, batch, or the kernel's number for another."""
-    if not supported():
-        return "normal"
-    which = os.sched_getscheduler(0)
-    return {os.SCHED_OTHER: "normal", os.SCHED_BATCH: "batch"}.get(which, str(which))
