@@ -65,6 +65,7 @@ _DEFAULT_CONFIG = DataPlaneConfig()
 # Receive staging: holds the largest header with room to spare, so one recv usually brings a
 # whole header (and a whole small message, e.g. a decode step's [B, H] activations for small B).
 _STAGING_BYTES = 16 << 10
+_TABLES_KEPT = 16  # decoded tensor tables a link keeps (see `TcpTransport._headers`)
 _T = TypeVar("_T")
 assert PREFIX.size + MAX_TABLE_BYTES <= _STAGING_BYTES
 
@@ -91,6 +92,10 @@ class TcpTransport(Transport):
         self._send_poller = select.poll()
         self._send_poller.register(sock, select.POLLOUT)
         self._reader = StreamReader(sock, _STAGING_BYTES)
+        # Tensor tables received lately (as sent) -> their decoded headers: a link's
+        # messages repeat a few layouts step after step (each micro-batch's activations, the
+        # feedback's two vectors), and a table seen before is not decoded again.
+        self._tables: dict[bytes, tuple[TensorHeader, ...]] = {}
 
     @classmethod
     def connect(
@@ -219,7 +224,7 @@ class TcpTransport(Transport):
             prefix = decode_prefix(reader.peek(PREFIX.size, deadline))
             header_bytes = PREFIX.size + prefix.table_bytes
             table = reader.peek(header_bytes, deadline)[PREFIX.size :]
-            headers = decode_table(table, prefix.count, self._config.max_message_bytes)
+            headers = self._headers(bytes(table), prefix.count)
         except DeadlineExpiredError:
             raise TransportTimeout(
                 f"no data-plane message from {self.peer} within {timeout_s}s",
@@ -235,6 +240,18 @@ class TcpTransport(Transport):
                 f"data-plane message from {self.peer} incomplete after {timeout_s}s; "
                 "link closed", link_closed=True) from None
         return prefix.step_id, [value for value, _ in made]
+
+    def _headers(self, table: bytes, count: int) -> tuple[TensorHeader, ...]:
+        """`decode_table` of `table`, or the headers it gave lately for the same bytes and
+        count (every field the checks read is in them; this end's limits are fixed). Raises
+        ProtocolError as `decode_table`."""
+        headers = self._tables.get(table)
+        if headers is None or len(headers) != count:
+            headers = decode_table(table, count, self._config.max_message_bytes)
+            if len(self._tables) >= _TABLES_KEPT:
+                self._tables.clear()
+            self._tables[table] = headers
+        return headers
 
     def close(self) -> None:
         with self._close_lock:

@@ -38,6 +38,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -86,9 +87,8 @@ class TensorHeader:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Prefix:
-    """The fixed part of a message header."""
+class Prefix(NamedTuple):
+    """The fixed part of a message header (a NamedTuple: one is read per message)."""
 
     count: int
     table_bytes: int
@@ -210,7 +210,7 @@ def decode_prefix(buf: bytes | bytearray | memoryview) -> Prefix:
         raise ProtocolError(
             f"tensor table of {table_bytes} bytes, the limit is {MAX_TABLE_BYTES}"
         )
-    return Prefix(count=count, table_bytes=table_bytes, step_id=step_id)
+    return Prefix(count, table_bytes, step_id)
 
 
 def decode_table(

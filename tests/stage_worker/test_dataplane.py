@@ -307,6 +307,19 @@ def test_malformed_or_oversize_headers_are_refused(raw: bytes) -> None:
     peer.close()
 
 
+def test_a_table_received_before_is_still_checked_against_its_count() -> None:
+    """The receiver keeps the tables it decoded; the same table bytes under another count
+    are refused all the same."""
+    peer, receiver = raw_peer(DataPlaneConfig(max_message_bytes=_LIMIT))
+    payload = struct.pack("<4f", 1, 2, 3, 4)
+    peer.sendall(_message([(1, (4,), 16)]) + payload)
+    assert receiver.recv(0, timeout_s=5)[0].tolist() == [1, 2, 3, 4]
+    peer.sendall(_message([(1, (4,), 16)], count=2) + payload)
+    with pytest.raises(ProtocolError, match="table"):
+        receiver.recv(0, timeout_s=5)
+    peer.close()
+
+
 def test_send_side_limits_leave_the_link_usable() -> None:
     sender, receiver = linked_pair(DataPlaneConfig(max_message_bytes=_LIMIT))
     with pytest.raises(ValueError, match="float64"):
