@@ -224,7 +224,7 @@ class TcpTransport(Transport):
             prefix = decode_prefix(reader.peek(PREFIX.size, deadline))
             header_bytes = PREFIX.size + prefix.table_bytes
             table = reader.peek(header_bytes, deadline)[PREFIX.size :]
-            headers = self._headers(bytes(table), prefix.count)
+            headers = self._headers(bytes(table), prefix.num_tensors)
         except DeadlineExpiredError:
             raise TransportTimeout(
                 f"no data-plane message from {self.peer} within {timeout_s}s",

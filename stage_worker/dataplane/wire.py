@@ -90,7 +90,7 @@ class TensorHeader:
 class Prefix(NamedTuple):
     """The fixed part of a message header (a NamedTuple: one is read per message)."""
 
-    count: int
+    num_tensors: int
     table_bytes: int
     step_id: int
 
@@ -284,7 +284,7 @@ def decode_message(buf: bytes, max_message_bytes: int) -> tuple[int, list[torch.
         raise ProtocolError(f"message of {len(buf)} bytes is shorter than its prefix")
     prefix = decode_prefix(buf[:PREFIX.size])
     offset = PREFIX.size + prefix.table_bytes
-    headers = decode_table(buf[PREFIX.size:offset], prefix.count, max_message_bytes)
+    headers = decode_table(buf[PREFIX.size:offset], prefix.num_tensors, max_message_bytes)
     if offset + sum(h.nbytes for h in headers) != len(buf):
         raise ProtocolError(f"message of {len(buf)} bytes, its header describes "
                             f"{offset + sum(h.nbytes for h in headers)}")
