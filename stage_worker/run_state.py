@@ -7,16 +7,26 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from stage_worker.plan import StageOutcome
 
 
-def discard(queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None]) -> None:
+class QueuedStep(NamedTuple):
+    """A step queued on the worker of a stage that answers every step: its outcome's
+    future, and whether its plan lets the answer wait for the next step's (`hold_answer`)."""
+
+    step_id: int
+    future: asyncio.Future[StageOutcome]
+    hold: bool
+
+
+def discard(queued: asyncio.Queue[QueuedStep | None]) -> None:
     """Steps queued behind the end of a run: their outcomes (or skips) are not read."""
     while not queued.empty():
         item = queued.get_nowait()
         if item is not None:
-            item[1].add_done_callback(ignore_result)
+            item.future.add_done_callback(ignore_result)
 
 
 def ignore_result(future: asyncio.Future[StageOutcome]) -> None:

@@ -20,6 +20,7 @@ from stage_worker.leader import StageLeader
 from stage_worker.links import device_id, host_id
 from stage_worker.plan import PlanError, StageOutcome, StagePlan
 from stage_worker.run_state import (
+    QueuedStep,
     QuietProgress,
     RunState,
     Settler,
@@ -151,7 +152,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         and sent (the router sends plans ahead of results); a one-stage pipeline also
         queues step k+1 on the GPU before waiting for step k (`StageLeader.step_overlapped`).
         Only the last stage answers every step (its sampled tokens), the answers that are
-        ready together in one message; the others answer only a step that failed, and
+        ready together in one message, and an answer whose plan says `hold_answer` in one
+        message with the next step's when that step is already queued; the others answer
+        only a step that failed, and
         their steps wake this loop only then (`QuietProgress`). After a failed step, the
         steps queued behind it are skipped and the stream ends with that step's error.
         """
@@ -168,10 +171,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             async for quiet_answer in self._run_quiet(request_iterator, run, run.quiet, epoch):
                 yield quiet_answer
             return
-        queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None] = asyncio.Queue()
+        queued: asyncio.Queue[QueuedStep | None] = asyncio.Queue()
         room = asyncio.Semaphore(MAX_QUEUED_STEPS)
         reader = asyncio.create_task(self._queue_steps(request_iterator, run, queued, room))
-        ahead: tuple[int, asyncio.Future[StageOutcome]] | None = None  # taken, not awaited
+        ahead: QueuedStep | None = None  # taken, not awaited
         try:
             while True:
                 item, ahead = ahead or await queued.get(), None
@@ -179,8 +182,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     return
                 results: list[pb.StepResult] = []
                 ended = False
-                while True:  # this step, then every queued one already done
-                    step_id, future = item
+                while True:  # this step, then every queued one done or held for
+                    step_id, future, hold = item
                     try:
                         outcome = await future
                     except SkippedStep:
@@ -196,7 +199,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     if queued.empty():
                         break
                     ahead = queued.get_nowait()
-                    if ahead is None or not ahead[1].done():
+                    if ahead is None or not (hold or ahead.future.done()):
                         ended = ahead is None
                         break
                     item, ahead = ahead, None
@@ -206,7 +209,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     return
         finally:
             if ahead is not None:
-                ahead[1].add_done_callback(ignore_result)
+                ahead.future.add_done_callback(ignore_result)
             discard(queued)
             await self._end_run(run, reader, epoch)
 
@@ -262,7 +265,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             progress.fail(step_id, e)
 
     async def _queue_steps(self, requests: AsyncIterator[pb.StepPlans], run: RunState,
-                           queued: asyncio.Queue[tuple[int, asyncio.Future[StageOutcome]] | None],
+                           queued: asyncio.Queue[QueuedStep | None],
                            room: asyncio.Semaphore) -> None:
         """Each plan of `requests` onto the worker, in order; None queued at the end."""
         loop = asyncio.get_running_loop()
@@ -279,13 +282,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     run.outcomes[step_id] = future
                     self._submitted += 1
                     self._worker.submit(self._run_step, run, plan)
-                    queued.put_nowait((step_id, future))
+                    queued.put_nowait(QueuedStep(step_id, future, msg.hold_answer))
         except grpc.RpcError as e:  # the client went away: the stream ends
             log.info("run stream: %s", e)
         except Exception as e:  # a plan that does not convert: that step's error
             failed: asyncio.Future[StageOutcome] = loop.create_future()
             failed.set_exception(e)
-            queued.put_nowait((step_id, failed))
+            queued.put_nowait(QueuedStep(step_id, failed, False))
         finally:
             queued.put_nowait(None)
 

@@ -85,6 +85,7 @@ class EngineCore:
         self.pipeline = pipeline
         self.sink = sink
         pipeline.on_outcome = self._on_outcome
+        pipeline.on_answered = self._on_answered
         pipeline.on_failure = self._on_failure
         self.scheduler: Scheduler | None = None
         self.pace: RunAheadPace | None = None  # built with the scheduler
@@ -285,7 +286,8 @@ class EngineCore:
                     break
                 self.steps += len(plans)
                 await self.pipeline.send(plans, self._step_traces.of(plans, self.ledger.rules)
-                                         if self.ledger.traced else None)
+                                         if self.ledger.traced else None,
+                                         pace.holds(len(plans)))
 
     def _note_prefix_hits(self, plan: StepPlan) -> None:
         """A sequence's first prefill starts at its prefix-cache hits, now (its queue time
@@ -301,9 +303,8 @@ class EngineCore:
         sent, now = self._sent_at.pop(outcome.step_id, None), time.monotonic()
         if self.metrics is not None and sent is not None:
             self.metrics.observe_step(now - sent, idle=not self._sent_at)
-        scheduler, pace = self.scheduler, self.pace
-        assert scheduler is not None and pace is not None
-        pace.answered(now, bool(self._sent_at))
+        scheduler = self.scheduler
+        assert scheduler is not None
         update = scheduler.update(outcome.step_id, outcome.tokens)
         capped = set(update.length_capped_seq_ids)
         batches: dict[int, FrontBatch] = {}
@@ -333,6 +334,11 @@ class EngineCore:
                                                    list(lp.top)))
         self._send_batches(batches)
         self._wake.set()
+
+    def _on_answered(self, count: int) -> None:
+        """A message of `count` answers was handled: the pipeline's pace (`RunAheadPace`)."""
+        assert self.pace is not None
+        self.pace.answered(time.monotonic(), bool(self._sent_at), count)
 
     def _send_batches(self, batches: dict[int, FrontBatch]) -> None:
         for front, batch in batches.items():

@@ -47,14 +47,19 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
 
 
 def plans_to_protos(plans: Sequence[StepPlan], num_stages: int,
-                    traces: Mapping[int, str] | None = None) -> list[pb.StepPlans]:
+                    traces: Mapping[int, str] | None = None,
+                    holds: Sequence[bool] = ()) -> list[pb.StepPlans]:
     """One message per stage carrying every plan of `plans` (consecutive steps, oldest
     first), in pipeline order (the same object where two stages read the same fields): token
     ids and sampling settings travel to the first and the last stage. `traces`: step id ->
-    the traceparent the stages record that step under."""
+    the traceparent the stages record that step under. `holds`: per plan, its
+    `hold_answer` (read by the last stage only; default none)."""
     traces = traces or {}
     full = pb.StepPlans(plans=[_plan_to_proto(p, True, traces.get(p.step_id, ""))
                                for p in plans])
+    for msg, hold in zip(full.plans, holds, strict=False):
+        if hold:
+            msg.hold_answer = True
     if num_stages <= 2:
         return [full] * num_stages
     lean = pb.StepPlans(plans=[_plan_to_proto(p, False, traces.get(p.step_id, ""))

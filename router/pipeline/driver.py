@@ -74,10 +74,15 @@ def _ignore_failure(reason: str) -> None:
     pass
 
 
+def _ignore_count(count: int) -> None:
+    pass
+
+
 class Pipeline:
     """Drives the stages' Run streams. Single event loop; not thread-safe.
 
     on_outcome: called with the last stage's answer to every plan, in step order.
+    on_answered: called after each message of answers, with how many `on_outcome` had.
     on_failure: called once when the pipeline goes down, with the reason.
     transport: the data-plane transport asked for, one of TRANSPORT_CHOICES ("auto",
         "tcp", "cuda_ipc", "nccl"; see `choose_transport`).
@@ -105,6 +110,7 @@ class Pipeline:
                        for i, a in enumerate(addresses)]
         self.on_outcome: OutcomeHandler = _ignore_outcome
         self.on_failure: FailureHandler = _ignore_failure
+        self.on_answered: Callable[[int], None] = _ignore_count
         self.connect_timeout_s = connect_timeout_s
         self.transport = transport
         self.standby = list(standby)  # not used yet, in order
@@ -272,13 +278,16 @@ class Pipeline:
         await up.connect(self.epoch, token, address, timeout, transport=kind)
 
     async def send(self, plans: Sequence[StepPlan],
-                   traces: Mapping[int, str] | None = None) -> None:
+                   traces: Mapping[int, str] | None = None,
+                   holds: Sequence[bool] = ()) -> None:
         """Write plans of consecutive steps (oldest first) to every stage's stream, one
         message per stage; a broken stream marks the pipeline down. `traces`: step id ->
-        the traceparent under which the stages record that step."""
+        the traceparent under which the stages record that step. `holds`: per plan, whether
+        the last stage may hold its answer for the next step's (`hold_answer`; the last
+        plan's is never held)."""
         if self.state is not PipelineState.READY:
             raise PipelineError("pipeline is not ready")
-        messages = plans_to_protos(plans, len(self.stages), traces)
+        messages = plans_to_protos(plans, len(self.stages), traces, holds)
         self._due.extend(plan.step_id for plan in plans)
         try:
             await asyncio.gather(*(stage.write(msg)
@@ -291,6 +300,7 @@ class Pipeline:
     async def _read(self, stage: StageClient, epoch: int) -> None:
         try:
             while True:
+                delivered = 0
                 for answer in await stage.read():
                     if answer.error:
                         raise PipelineError(answer.error)
@@ -300,6 +310,9 @@ class Pipeline:
                             raise PipelineError(f"answered step {answer.step_id} where step "
                                                 f"{due} was due")
                         self.on_outcome(answer.outcome)  # never an answer the core forgot
+                        delivered += 1
+                if delivered:
+                    self.on_answered(delivered)
         except asyncio.CancelledError:
             raise
         except (grpc.aio.AioRpcError, PipelineError) as e:

@@ -32,8 +32,9 @@ def test_run_ahead_gives_the_same_tokens(model_dir: Path, num_stages: int,
     depths: list[int] = []
     answered = RunAheadPace.answered
 
-    def noting(pace: RunAheadPace, now: float, still_outstanding: bool) -> None:
-        answered(pace, now, still_outstanding)
+    def noting(pace: RunAheadPace, now: float, still_outstanding: bool,
+               count: int = 1) -> None:
+        answered(pace, now, still_outstanding, count)
         depths.append(pace.scheduler.run_ahead_depth)
 
     monkeypatch.setattr(RunAheadPace, "answered", noting)

@@ -116,10 +116,12 @@ def test_the_scheduler_refuses_a_depth_outside_its_range() -> None:
 
 
 def test_room_sends_steps_in_bursts_of_half_the_limit() -> None:
-    """The core plans when nothing is out, or when half the steps allowed are free: at
-    depth 8 and 2 micro-batches, 8 steps go out at a time."""
-    pace, scheduler = _paced()
+    """The core plans when nothing is out, or when half the steps allowed are free (or a
+    group's worth, where answers come in smaller groups; not here, the budget is large):
+    at depth 8 and 2 micro-batches, 8 steps go out at a time."""
+    pace, scheduler = _paced(budget_ms=160.0)
     _answers(pace, 0.0005, 50)
+    assert pace.answer_group > 8
     for seq_id in range(1, 9):
         scheduler.add_request(seq_id, [seq_id], None)
     prefill = scheduler.schedule()
@@ -137,15 +139,56 @@ def test_room_sends_steps_in_bursts_of_half_the_limit() -> None:
     assert pace.room()
 
 
-def test_answers_that_come_two_to_a_message_pace_as_their_mean() -> None:
-    """The last stage answers the steps done together in one message: the core sees two
-    answers at once, then a gap of two steps. The depth follows the mean (2.5 ms, where
-    2 x 4 steps take the 20 ms), not the near-zero gaps."""
+def test_a_message_of_answers_paces_as_the_steps_it_answers() -> None:
+    """The last stage answers the steps done together (or held, `hold_answer`) in one
+    message: the time since the message before is that many steps'. Sixteen answers every
+    8 ms pace at 0.5 ms a step, not at the 8 ms between messages."""
     pace, scheduler = _paced()
     now = 100.0
     for _ in range(40):
-        pace.answered(now, still_outstanding=True)
-        pace.answered(now, still_outstanding=True)
-        now += 0.005
-    assert pace.interval_s == pytest.approx(0.0025, rel=0.1)
-    assert scheduler.run_ahead_depth == 4
+        pace.answered(now, still_outstanding=True, count=16)
+        now += 0.008
+    assert pace.interval_s == pytest.approx(0.0005)
+    assert scheduler.run_ahead_depth == 8
+
+
+@pytest.mark.parametrize(("interval_ms", "group"), [
+    (10.0, 1),  # a GPU's step: answered as soon as it is done
+    (2.0, 2),  # 1/8 of the 20 ms budget is 2.5 ms: one step's answer may wait for the next
+    (0.4, 7),  # 6 more steps fit in the 2.5 ms
+])
+def test_answers_wait_for_later_steps_only_while_steps_are_short(interval_ms: float,
+                                                                   group: int) -> None:
+    pace, _ = _paced()
+    assert pace.holds(8) == [False] * 8  # the pace is not measured yet
+    _answers(pace, interval_ms / 1e3, 50)
+    assert pace.answer_group == group
+    holds = pace.holds(8)
+    assert holds[-1] is False  # the last plan sent: nothing queued behind it to wait for
+    assert [i for i, hold in enumerate(holds) if not hold] == sorted(
+        {*range(group - 1, 8, group), 7})
+    pace.reset()
+    assert pace.answer_group == 1 and pace.holds(3) == [False] * 3
+
+
+def test_while_answers_come_in_groups_the_core_plans_a_group_at_a_time() -> None:
+    """The core learns of a group's steps when its last one is done: it plans as soon as a
+    group's worth of steps is free, not half the limit, so the stages' queues do not run
+    dry behind the steps whose answers waited."""
+    pace, scheduler = _paced()
+    _answers(pace, 0.0004, 50)
+    assert pace.answer_group == 7 and scheduler.outstanding_limit == 16
+    for seq_id in range(1, 9):
+        scheduler.add_request(seq_id, [seq_id], None)
+    prefill = scheduler.schedule()
+    assert prefill is not None
+    scheduler.update(prefill.step_id, dict.fromkeys(prefill.seq_ids, 7))
+    planned = []
+    while (plan := scheduler.schedule()) is not None:
+        planned.append(plan)
+    assert len(planned) == 16 and not pace.room()
+    for plan in planned[:6]:
+        scheduler.update(plan.step_id, dict.fromkeys(plan.seq_ids, 7))
+    assert not pace.room()
+    scheduler.update(planned[6].step_id, dict.fromkeys(planned[6].seq_ids, 7))
+    assert pace.room()  # 7 free, a group's worth (half the limit would be 8)

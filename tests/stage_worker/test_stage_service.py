@@ -146,6 +146,30 @@ def test_plans_of_several_steps_in_one_message(checkpoint: Path) -> None:
     assert len(messages) <= len(results)
 
 
+@pytest.mark.parametrize("hold_last", [False, True])
+def test_held_answers_go_out_with_a_later_steps_answer(checkpoint: Path,
+                                                      hold_last: bool) -> None:
+    """Plans that say `hold_answer` are answered in one message with the first step after
+    them that does not (or, where every plan says it, with the last step queued when the
+    stream ends): one message for the run here, the same tokens."""
+    cfg = StageConfig(checkpoint, model_impl="null", max_num_batched_tokens=4096)
+    plans = [prefill([7], [[1, 2, 3]], [[0, 1]])]
+    plans += [decodes(step, [(7, 2 + step, 7 + step - 1)]) for step in range(1, 6)]
+    for plan in plans[:-1] if not hold_last else plans:
+        plan.hold_answer = True
+
+    async def body() -> list[pb.StepResults]:
+        async with serving(cfg) as stub:
+            call = stub.Run()
+            await call.write(pb.StepPlans(plans=plans))
+            await call.done_writing()
+            return [m async for m in call]
+
+    messages = asyncio.run(body())
+    assert len(messages) == 1
+    assert [sampled(r) for r in messages[0].results] == [[(7, 7 + k)] for k in range(6)]
+
+
 def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
     cfg = StageConfig(checkpoint, model_impl="null", max_num_batched_tokens=4096)
 
