@@ -119,9 +119,13 @@ class RunState:
     stopped: bool = False
     outcomes: dict[int, asyncio.Future[StageOutcome]] = field(default_factory=dict)
     quiet: QuietProgress | None = None
+    # Steps whose plan says `hold_answer` (added by the loop as it queues them, taken by the
+    # worker as it delivers them): their outcome need not wake the loop (`Settler.put`).
+    held: set[int] = field(default_factory=set)
 
     def skip_unanswered(self) -> None:
         """Loop thread: every step still waiting ends as skipped (the run is over)."""
+        self.settler.drain()  # outcomes put without a wake-up first
         for future in self.outcomes.values():
             if not future.done():
                 future.set_exception(SkippedStep())
@@ -160,15 +164,16 @@ class Settler:
         self._scheduled = False
 
     def put(self, future: asyncio.Future[StageOutcome], outcome: StageOutcome | None,
-            error: BaseException | None) -> None:
-        """Worker thread."""
+            error: BaseException | None, wake: bool = True) -> None:
+        """Worker thread. `wake` False: the outcome waits for the next put that wakes the
+        loop (the caller makes sure one comes: a later step's, which always settles)."""
         self._ready.append((future, outcome, error))
-        if not self._scheduled:
+        if wake and not self._scheduled:
             self._scheduled = True
-            self._loop.call_soon_threadsafe(self._drain)
+            self._loop.call_soon_threadsafe(self.drain)
 
-    def _drain(self) -> None:
-        """Loop thread."""
+    def drain(self) -> None:
+        """Loop thread: settle every outcome put so far."""
         self._scheduled = False
         ready = self._ready
         while ready:

@@ -281,6 +281,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     future: asyncio.Future[StageOutcome] = loop.create_future()
                     run.outcomes[step_id] = future
                     self._submitted += 1
+                    if msg.hold_answer:
+                        run.held.add(step_id)
                     self._worker.submit(self._run_step, run, plan)
                     queued.put_nowait(QueuedStep(step_id, future, msg.hold_answer))
         except grpc.RpcError as e:  # the client went away: the stream ends
@@ -294,14 +296,22 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def _run_step(self, run: RunState, plan: StagePlan) -> None:
         """Worker thread: `plan`'s step, unless its run stopped, failed or was superseded;
-        each outcome (this step's, or an earlier one left pending) settles its future."""
+        each outcome (this step's, or an earlier one left pending) settles its future. The
+        outcome of a step whose answer is held (`hold_answer`) does not wake the loop when a
+        later step is on the worker already: that step's outcome, or its failure or skip,
+        wakes it and settles both (the loop's answer waits for the later one anyway)."""
         self._started += 1
+        started = self._started
         quiet = run.quiet
 
         def deliver(outcome: StageOutcome) -> None:
-            future = run.outcomes.pop(outcome.step_id, None)
+            step_id = outcome.step_id
+            future = run.outcomes.pop(step_id, None)
             if future is not None:
-                run.settler.put(future, outcome, None)
+                later = step_id != plan.step_id or self._submitted > started
+                held = step_id in run.held
+                run.held.discard(step_id)
+                run.settler.put(future, outcome, None, wake=not (held and later))
 
         def fail(error: BaseException) -> None:
             if quiet is not None:

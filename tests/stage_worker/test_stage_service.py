@@ -170,6 +170,30 @@ def test_held_answers_go_out_with_a_later_steps_answer(checkpoint: Path,
     assert [sampled(r) for r in messages[0].results] == [[(7, 7 + k)] for k in range(6)]
 
 
+def test_held_answers_go_out_with_a_later_steps_failure(checkpoint: Path) -> None:
+    """A step refused on the worker after steps whose answers were held: the held answers
+    and its error, in order, in one message, and the steps behind it skipped."""
+    cfg = StageConfig(checkpoint, model_impl="null", max_num_batched_tokens=4096)
+    plans = [prefill([7], [[1, 2, 3]], [[0, 1]]), decodes(1, [(7, 3, 7)]),
+             decodes(2, [(99, 3, 1)]), decodes(3, [(7, 4, 8)])]
+    for plan in plans:
+        plan.hold_answer = True
+
+    async def body() -> list[pb.StepResults]:
+        async with serving(cfg) as stub:
+            call = stub.Run()
+            await call.write(pb.StepPlans(plans=plans))
+            await call.done_writing()
+            return [m async for m in call]
+
+    messages = asyncio.run(asyncio.wait_for(body(), 30))
+    assert len(messages) == 1
+    results = messages[0].results
+    assert [sampled(r) for r in results[:2]] == [[(7, 7)], [(7, 8)]]
+    assert results[2].step_id == 2 and "sequence 99 is not held" in results[2].error
+    assert len(results) == 3
+
+
 def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
     cfg = StageConfig(checkpoint, model_impl="null", max_num_batched_tokens=4096)
 
