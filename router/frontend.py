@@ -62,6 +62,7 @@ from router.outputs import (
     TokenLogprob,
     Usage,
     coalesce,
+    next_logprob,
 )
 from router.request_metrics import note_end, note_update
 from router.request_state import RequestState
@@ -246,8 +247,7 @@ class Frontend:
                 state.scheduled = planned
         if msg.prompt_logprobs:
             self._on_prompt_logprobs(msg.prompt_logprobs)
-        logprobs = {e.seq_id: TokenLogprob(e.token_id, e.logprob, tuple(e.top))
-                    for e in msg.logprobs}
+        logprobs = msg.logprob_queues() if msg.logprobs else None
         stopped: list[int] = []
         for seq_id, token, code in zip(seq_ids, token_ids, finish, strict=True):
             state = self.seq_owner.get(seq_id)
@@ -256,8 +256,8 @@ class Frontend:
             choice = state.choices[seq_id]
             if choice.finished:
                 continue
-            delta = choice.on_token(token, logprobs.get(seq_id) if logprobs else None,
-                                    FINISH_REASONS.get(code) if code else None)
+            lp = next_logprob(logprobs, seq_id, token) if logprobs else None
+            delta = choice.on_token(token, lp, FINISH_REASONS.get(code) if code else None)
             state.completion_tokens += 1
             if not state.first_token:
                 state.first_token = time.time()

@@ -30,9 +30,9 @@ from router.core.messages import (
     CoreState,
     Failed,
     FinishSeqs,
-    FrontBatch,
     FrontGone,
     FrontMessage,
+    FrontOutbox,
     Hello,
     LogprobEntry,
     PromptLogprobEntry,
@@ -95,10 +95,10 @@ class EngineCore:
         self.fronts: set[int] = set()  # said hello, not gone
         self._gone_fronts: set[int] = set()
         self.steps = 0
-        self._cached: dict[int, list[tuple[int, int, float]]] = {}  # front -> not reported
         self._wake = asyncio.Event()
         self.stopped = asyncio.Event()  # a front said Shutdown
         self._sent_at: dict[int, float] = {}
+        self.outbox = FrontOutbox()  # sent once a message's answers are all handled
         self.outage = Outage(pipeline, cfg.recovery_budget_s, metrics)
         self._was_ready = False
         self.start_error: CoreState | None = None  # set when start() failed
@@ -199,7 +199,7 @@ class EngineCore:
         self._gone_fronts.add(front)
         self.fronts.discard(front)
         self.sink.forget(front)
-        self._cached.pop(front, None)
+        self.outbox.forget(front)
         seq_ids = self._abort_live(front)
         log.log(logging.WARNING if seq_ids else logging.INFO,
                 "front %d is gone: %d of its sequence(s) aborted", front, len(seq_ids))
@@ -296,26 +296,22 @@ class EngineCore:
             rules = self.ledger.rules.get(seq.seq_id)
             if rules is not None and not rules.reported_cached:
                 rules.reported_cached = True
-                self._cached.setdefault(front_of(seq.seq_id), []).append(
-                    (seq.seq_id, seq.num_computed_tokens, time.time()))
+                self.outbox.note_cached(front_of(seq.seq_id),
+                                        (seq.seq_id, seq.num_computed_tokens, time.time()))
 
     def _on_outcome(self, outcome: StepOutcome) -> None:
         sent, now = self._sent_at.pop(outcome.step_id, None), time.monotonic()
         if self.metrics is not None and sent is not None:
             self.metrics.observe_step(now - sent, idle=not self._sent_at)
-        scheduler = self.scheduler
+        scheduler, outbox, live = self.scheduler, self.outbox, self.ledger.rules
         assert scheduler is not None
         update = scheduler.update(outcome.step_id, outcome.tokens)
         capped = set(update.length_capped_seq_ids)
-        batches: dict[int, FrontBatch] = {}
-        live = self.ledger.rules
         for scores in outcome.prompt:
             if scores.seq_id in live:
-                front = front_of(scores.seq_id)
-                batch = batches.get(front) or batches.setdefault(front, FrontBatch())
-                batch.prompt_logprobs.append(PromptLogprobEntry(
-                    scores.seq_id, scores.start,
-                    [(e.token_id, e.logprob, list(e.top)) for e in scores.entries]))
+                outbox.batch(front_of(scores.seq_id)).prompt_logprobs.append(
+                    PromptLogprobEntry(scores.seq_id, scores.start, [
+                        (e.token_id, e.logprob, list(e.top)) for e in scores.entries]))
         for seq_id, token in update.new_tokens.items():
             rules = live.get(seq_id)
             if rules is None:
@@ -324,25 +320,24 @@ class EngineCore:
             if code and seq_id not in capped:  # a capped one the scheduler already ended
                 scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
                                  else FinishReason.LENGTH)
-            front = front_of(seq_id)
-            batch = batches.get(front) or batches.setdefault(front, FrontBatch())
+            batch = outbox.batch(front_of(seq_id))
             batch.seq_ids.append(seq_id)
             batch.token_ids.append(token)
             batch.finish.append(code)
             if rules.logprobs and (lp := outcome.logprobs.get(seq_id)) is not None:
                 batch.logprobs.append(LogprobEntry(seq_id, lp.token_id, lp.logprob,
                                                    list(lp.top)))
-        self._send_batches(batches)
         self._wake.set()
 
     def _on_answered(self, count: int) -> None:
-        """A message of `count` answers was handled: the pipeline's pace (`RunAheadPace`)."""
+        """A message of `count` answers was handled: the pace; the tokens to the fronts."""
         assert self.pace is not None
         self.pace.answered(time.monotonic(), bool(self._sent_at), count)
+        self._send_outbox()
 
-    def _send_batches(self, batches: dict[int, FrontBatch]) -> None:
-        for front, batch in batches.items():
-            self.sink.send(front, batch.pack(self._cached.pop(front, [])))
+    def _send_outbox(self) -> None:
+        for front, msg in self.outbox.take():
+            self.sink.send(front, msg)
 
     async def _watch_steps(self) -> None:
         """A step with no result past `step_timeout_s` marks the pipeline down (a hung
@@ -367,6 +362,7 @@ class EngineCore:
     def _on_failure(self, reason: str) -> None:
         """A stage failed: keep every request (the core has its tokens), preempt all
         sequences for recompute, and re-link when the stages are back (`Outage`)."""
+        self._send_outbox()  # the tokens of steps answered before it
         self.outage.begin(reason)
         self._sent_at.clear()
         assert self.scheduler is not None and self.pace is not None

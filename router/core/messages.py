@@ -13,6 +13,7 @@ sequence's tokens to the front that owns it by its id alone.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 
 import msgspec
 
@@ -132,7 +133,9 @@ class PromptLogprobEntry(msgspec.Struct, array_like=True):
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
-    """The tokens of one step for one front's sequences, in step order.
+    """The tokens of one or more consecutive steps for one front's sequences, in step order
+    (a sequence appears once per step: several times where the core sends the steps of one
+    message of answers together).
 
     seq_ids / token_ids: packed int64 (`array("q")`), aligned; finish: packed int8, aligned,
     a FINISH_* code. logprobs: only for sequences that asked for them. cached: (seq_id,
@@ -156,6 +159,13 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
         tokens.frombytes(self.token_ids)
         finish.frombytes(self.finish)
         return seqs.tolist(), tokens.tolist(), finish.tolist()
+
+    def logprob_queues(self) -> dict[int, deque[LogprobEntry]]:
+        """seq_id -> its log probability records, in the order of its tokens here."""
+        queues: dict[int, deque[LogprobEntry]] = {}
+        for entry in self.logprobs:
+            queues.setdefault(entry.seq_id, deque()).append(entry)
+        return queues
 
 
 class Refused(msgspec.Struct, tag=True, array_like=True):
@@ -274,6 +284,36 @@ class FrontBatch:
                            array("q", self.token_ids).tobytes(),
                            array("b", self.finish).tobytes(), self.logprobs, cached,
                            self.prompt_logprobs)
+
+
+class FrontOutbox:
+    """The core's outputs on their way to the fronts: each front's share of the steps
+    answered since the last message of answers, and the prefix-cache hits not reported
+    yet; `take` packs one `StepOutputs` per front."""
+
+    def __init__(self) -> None:
+        self._batches: dict[int, FrontBatch] = {}
+        self._cached: dict[int, list[tuple[int, int, float]]] = {}  # front -> hits
+
+    def batch(self, front: int) -> FrontBatch:
+        batch = self._batches.get(front)
+        if batch is None:
+            batch = self._batches[front] = FrontBatch()
+        return batch
+
+    def note_cached(self, front: int, hit: tuple[int, int, float]) -> None:
+        """(seq_id, prompt tokens found cached, when its first prefill was planned), sent
+        with the front's next tokens."""
+        self._cached.setdefault(front, []).append(hit)
+
+    def forget(self, front: int) -> None:
+        self._batches.pop(front, None)
+        self._cached.pop(front, None)
+
+    def take(self) -> list[tuple[int, StepOutputs]]:
+        batches, self._batches = self._batches, {}
+        return [(front, batch.pack(self._cached.pop(front, [])))
+                for front, batch in batches.items()]
 
 
 class Codec:

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -59,6 +60,13 @@ def test_a_request_longer_than_the_drain_timeout_is_cut_and_the_router_exits(
 
     async def run() -> None:
         stage = await start_stage(null_stages(model_dir, 1)[0])
+        leader = stage.servicer.leader
+        overlapped = leader.step_overlapped
+
+        def paced(*args: Any) -> None:  # a model's time: the request takes 4 s or more
+            time.sleep(0.001)
+            overlapped(*args)
+        leader.step_overlapped = paced  # type: ignore[method-assign]
         port = free_port()
         ready = tmp_path / "ready"
         proc = Proc([sys.executable, "-m", "stagemesh", "router", "--model", str(model_dir),

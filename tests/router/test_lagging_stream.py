@@ -13,7 +13,13 @@ import pytest
 
 from foundation.sampling_params import SamplingParams
 from foundation.tokenizer import ModelTokenizer
-from router.core.messages import FINISH_LENGTH, FINISH_NONE, Failed, StepOutputs
+from router.core.messages import (
+    FINISH_LENGTH,
+    FINISH_NONE,
+    Failed,
+    LogprobEntry,
+    StepOutputs,
+)
 from router.frontend import Frontend
 from router.outputs import ChoiceDelta, RequestDone, RequestFailed, StreamItem
 from router.requests import GenerateRequest
@@ -113,3 +119,28 @@ def test_a_choice_with_stop_strings_still_ends_at_the_string(tokenizer: ModelTok
     deltas = _deltas(updates)
     assert "".join(d.text for d in deltas).endswith("waves, ")
     assert deltas[-1].finish_reason is not None and deltas[-1].stop_reason == "salt"
+
+
+def test_a_message_with_several_steps_of_a_sequence_keeps_each_tokens_logprob(
+        tokenizer: ModelTokenizer) -> None:
+    """The core sends the steps of one message of answers together: a sequence appears
+    once per step, and each token keeps its own log probability record."""
+    request = GenerateRequest("r", tuple(tokenizer.encode("Tell me about the sea.")),
+                              SamplingParams(temperature=0.0, logprobs=1), 3, (), (), True, 1, 0)
+    ids = tokenizer.encode(" waves and salt", add_special_tokens=False)[:3]
+
+    async def run() -> list[list[StreamItem]]:
+        front = Frontend(0, _Endpoint(), tokenizer, stream_interval=1)  # type: ignore[arg-type]
+        stream = front.submit(request)
+        seq_id = next(iter(front.seq_owner))
+        records = [LogprobEntry(seq_id, token, -0.5 * (i + 1), [(token, -0.5 * (i + 1))])
+                   for i, token in enumerate(ids)]
+        front.handle(StepOutputs(
+            array("q", [seq_id] * 3).tobytes(), array("q", ids).tobytes(),
+            array("b", [FINISH_NONE, FINISH_NONE, FINISH_LENGTH]).tobytes(), records))
+        return [items async for items in stream]
+
+    deltas = _deltas(asyncio.run(run()))
+    assert [t for d in deltas for t in d.token_ids] == ids
+    assert [(lp.token_id, lp.logprob) for d in deltas for lp in d.logprobs] == [
+        (token, -0.5 * (i + 1)) for i, token in enumerate(ids)]
