@@ -26,7 +26,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -56,9 +57,6 @@ class StepTokens:
     seq_ids: tuple[int, ...]
     token_ids: tuple[int, ...] | None
     device_ids: torch.Tensor | None = None
-    rows: dict[int, int] = field(init=False, repr=False, compare=False)  # seq_id -> row
-    # seq_id -> its token; None while the tokens are only on the device.
-    by_seq: dict[int, int] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.token_ids is None:
@@ -68,10 +66,20 @@ class StepTokens:
         elif len(self.seq_ids) != len(self.token_ids):
             raise ValueError(f"step {self.step_id}: {len(self.seq_ids)} sequences, "
                              f"{len(self.token_ids)} tokens")
-        seq_ids = self.seq_ids  # the lengths agree (checked above)
-        object.__setattr__(self, "rows", dict(zip(seq_ids, range(len(seq_ids)), strict=True)))
-        object.__setattr__(self, "by_seq", None if self.token_ids is None
-                           else dict(zip(seq_ids, self.token_ids, strict=True)))
+
+    # Built on first use: a step whose sequences are the ones sampled, in order (the usual
+    # decode step, `FeedbackStore.take_aligned`), reads the tokens as they came.
+    @cached_property
+    def rows(self) -> dict[int, int]:
+        """seq_id -> its row."""
+        return dict(zip(self.seq_ids, range(len(self.seq_ids)), strict=True))
+
+    @cached_property
+    def by_seq(self) -> dict[int, int] | None:
+        """seq_id -> its token; None while the tokens are only on the device."""
+        if self.token_ids is None:
+            return None
+        return dict(zip(self.seq_ids, self.token_ids, strict=True))
 
     @classmethod
     def from_message(cls, step_id: int, columns: Sequence[Sequence[int]]) -> StepTokens:
