@@ -168,12 +168,27 @@ class StreamReader:
             view[:take] = self._staging[self._start : self._start + take]
             self.consume(take)
         got = take
-        while got < len(view):
-            got += self._recv_some(view[got:], deadline)
+        while got < len(view):  # the rest of a payload has mostly arrived: try without a wait
+            got += self._recv_some(view[got:], deadline, try_first=True)
 
-    def _recv_some(self, view: memoryview, deadline: float | None) -> int:
-        """One ``recv_into`` (after a bounded wait when there is a deadline); returns n > 0."""
+    def _recv_some(self, view: memoryview, deadline: float | None,
+                   try_first: bool = False) -> int:
+        """One ``recv_into`` (after a bounded wait when there is a deadline); returns n > 0.
+        `try_first`: a non-blocking ``recv_into`` first, and the wait only if it found
+        nothing (a plain socket: one syscall where bytes are there already)."""
         sock = self._sock
+        plain = not isinstance(sock, ssl.SSLSocket)
+        if try_first and deadline is not None and plain:
+            try:
+                n = sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                raise LinkClosedError(f"data-plane link failed while receiving: {e}") from e
+            else:
+                if n == 0:
+                    raise LinkClosedError("data-plane peer closed the link")
+                return n
         # TLS may hold decrypted bytes already: the socket would not poll readable for them.
         if deadline is not None and not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             _wait(self._poller, deadline, 0)
