@@ -130,14 +130,7 @@ def test_plans_of_several_steps_in_one_message(checkpoint: Path) -> None:
         plans.append(pb.StepPlan(step_id=step,
                                  cached_batch=cached_batch_to_proto(cached, True)))
 
-    async def body() -> list[pb.StepResults]:
-        async with serving(cfg) as stub:
-            call = stub.Run()
-            await call.write(pb.StepPlans(plans=plans))
-            await call.done_writing()
-            return [m async for m in call]
-
-    messages = asyncio.run(body())
+    messages = _answers_in_one_write(cfg, plans)
     results = [r for m in messages for r in m.results]
     assert [r.step_id for r in results] == list(range(MAX_NEW))
     assert not any(r.error for r in results)
@@ -158,14 +151,7 @@ def test_held_answers_go_out_with_a_later_steps_answer(checkpoint: Path,
     for plan in plans[:-1] if not hold_last else plans:
         plan.hold_answer = True
 
-    async def body() -> list[pb.StepResults]:
-        async with serving(cfg) as stub:
-            call = stub.Run()
-            await call.write(pb.StepPlans(plans=plans))
-            await call.done_writing()
-            return [m async for m in call]
-
-    messages = asyncio.run(body())
+    messages = _answers_in_one_write(cfg, plans)
     assert len(messages) == 1
     assert [sampled(r) for r in messages[0].results] == [[(7, 7 + k)] for k in range(6)]
 
@@ -179,14 +165,7 @@ def test_held_answers_go_out_with_a_later_steps_failure(checkpoint: Path) -> Non
     for plan in plans:
         plan.hold_answer = True
 
-    async def body() -> list[pb.StepResults]:
-        async with serving(cfg) as stub:
-            call = stub.Run()
-            await call.write(pb.StepPlans(plans=plans))
-            await call.done_writing()
-            return [m async for m in call]
-
-    messages = asyncio.run(asyncio.wait_for(body(), 30))
+    messages = _answers_in_one_write(cfg, plans)
     assert len(messages) == 1
     results = messages[0].results
     assert [sampled(r) for r in results[:2]] == [[(7, 7)], [(7, 8)]]
@@ -210,3 +189,17 @@ def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
     assert (info.model_impl, info.num_kv_blocks) == ("null", 65536)
     assert (info.max_num_batched_tokens, info.max_num_seqs) == (4096, 256)
     assert [sampled(r) for r in results] == [[(158, 158), (3, 3)], [(158, 159), (3, 4)]]
+
+
+def _answers_in_one_write(cfg: StageConfig, plans: list[pb.StepPlan]) -> list[pb.StepResults]:
+    """The messages a stage serving `cfg` answers to `plans` sent in one message (the stream
+    closed after it), within 30 s."""
+
+    async def body() -> list[pb.StepResults]:
+        async with serving(cfg) as stub:
+            call = stub.Run()
+            await call.write(pb.StepPlans(plans=plans))
+            await call.done_writing()
+            return [m async for m in call]
+
+    return asyncio.run(asyncio.wait_for(body(), 30))
