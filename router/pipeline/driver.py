@@ -6,7 +6,8 @@ stage listens and the last connects for the feedback link that carries sampled i
 the run-ahead inputs; a fresh token per link) and opens the Run streams. Plans go down
 every stream, each stage getting what it reads (`router.pipeline.convert`), the plans the
 core has ready together in one message; the last stage answers every step with its sampled
-tokens (the answers it has ready together in one message), the others only a step that
+tokens (the answers it has ready together in one message, and while steps are short the
+steps whose plans say `hold_answer` with a later step's), the others only a step that
 failed. Any broken stream, stage error or step past its timeout marks the pipeline down;
 `start()` again brings it back with a new epoch.
 
