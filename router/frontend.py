@@ -49,6 +49,7 @@ from router.core.messages import (
     StatsRequest,
     StepOutputs,
     duplicate_request_message,
+    next_logprob,
 )
 from router.errors import DuplicateRequestError
 from router.metrics import FrontMetrics
@@ -62,7 +63,6 @@ from router.outputs import (
     TokenLogprob,
     Usage,
     coalesce,
-    next_logprob,
 )
 from router.request_metrics import note_end, note_update
 from router.request_state import RequestState

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from router.scheduler import FinishReason
 from router.tool_calls.types import ToolCallDelta
-
-if TYPE_CHECKING:
-    from router.core.messages import LogprobEntry
 
 
 @dataclass(frozen=True)
@@ -131,13 +126,3 @@ def coalesce(items: Sequence[StreamItem]) -> list[StreamItem]:
     close_run()
     return out
 
-
-def next_logprob(queues: dict[int, deque[LogprobEntry]], seq_id: int,
-                 token: int) -> TokenLogprob | None:
-    """The record of `seq_id`'s next token in a `StepOutputs.logprob_queues`, if it is the
-    one for `token` (None for a sequence that asked for none)."""
-    queue = queues.get(seq_id)
-    if not queue or queue[0].token_id != token:
-        return None
-    entry = queue.popleft()
-    return TokenLogprob(entry.token_id, entry.logprob, tuple(entry.top))

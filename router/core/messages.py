@@ -18,6 +18,7 @@ from collections import deque
 import msgspec
 
 from foundation.sampling_params import SamplingParams
+from router.outputs import TokenLogprob
 from router.requests import RequestLimits
 from router.scheduler import FinishReason
 
@@ -160,12 +161,24 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
         finish.frombytes(self.finish)
         return seqs.tolist(), tokens.tolist(), finish.tolist()
 
-    def logprob_queues(self) -> dict[int, deque[LogprobEntry]]:
-        """seq_id -> its log probability records, in the order of its tokens here."""
-        queues: dict[int, deque[LogprobEntry]] = {}
-        for entry in self.logprobs:
-            queues.setdefault(entry.seq_id, deque()).append(entry)
+    def logprob_queues(self) -> dict[int, deque[TokenLogprob]]:
+        """seq_id -> its log probability records, in the order of its tokens here (see
+        `next_logprob`)."""
+        queues: dict[int, deque[TokenLogprob]] = {}
+        for e in self.logprobs:
+            queues.setdefault(e.seq_id, deque()).append(
+                TokenLogprob(e.token_id, e.logprob, tuple(e.top)))
         return queues
+
+
+def next_logprob(queues: dict[int, deque[TokenLogprob]], seq_id: int,
+                 token: int) -> TokenLogprob | None:
+    """The record of `seq_id`'s next token in `StepOutputs.logprob_queues`, if it is the
+    one for `token` (None for a sequence that asked for none)."""
+    queue = queues.get(seq_id)
+    if not queue or queue[0].token_id != token:
+        return None
+    return queue.popleft()
 
 
 class Refused(msgspec.Struct, tag=True, array_like=True):
