@@ -154,9 +154,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         Only the last stage answers every step (its sampled tokens), the answers that are
         ready together in one message, and an answer whose plan says `hold_answer` in one
         message with the next step's when that step is already queued; the others answer
-        only a step that failed, and
-        their steps wake this loop only then (`QuietProgress`). After a failed step, the
-        steps queued behind it are skipped and the stream ends with that step's error.
+        only a step that failed, and their steps wake this loop only then
+        (`QuietProgress`). After a failed step, the steps queued behind it are skipped and
+        the stream ends with that step's error.
         """
         self._run_generation += 1
         if self._run is not None:  # superseded: its handler stops waiting
