@@ -125,4 +125,3 @@ def coalesce(items: Sequence[StreamItem]) -> list[StreamItem]:
             out.append(item)
     close_run()
     return out
-
