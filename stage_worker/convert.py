@@ -15,6 +15,7 @@ from stage_worker.plan import PlanError, StageCachedSeq, StageNewSeq, StageOutco
 
 _new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
 _SAMPLE, _RUN_AHEAD = 1, 2  # CachedBatch.flags bits
+_DECODE_FLAGS = bytes((_SAMPLE | _RUN_AHEAD,))  # one run-ahead decode's flags
 _SAMPLE_BIT_ONLY = bytes.maketrans(b"\x02\x03", b"\x00\x01")  # valid flags -> sample bit
 _ITEM_NAMES = {"q": "int64", "i": "int32"}  # CachedBatch's item types, by array typecode
 
@@ -45,10 +46,11 @@ def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
                     s.num_new, s.sample,
                     sampling_from_proto(s.sampling) if s.HasField("sampling") else None)
         for s in msg.new_seqs
-    )
+    ) if msg.new_seqs else ()
+    copies = msg.block_copies
     return StagePlan(msg.step_id, new, cached_from_proto(msg.step_id, msg.cached_batch),
-                     tuple(msg.free_seq_ids), tuple((c.src, c.dst) for c in msg.block_copies),
-                     msg.traceparent)
+                     tuple(msg.free_seq_ids), tuple((c.src, c.dst) for c in copies)
+                     if copies else (), msg.traceparent)
 
 
 def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq, ...]:
@@ -66,12 +68,16 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
     computed = _per_seq(batch.num_computed, "i", n, step, "num_computed")
     new = _per_seq(batch.num_new, "i", n, step, "num_new")
     flags = batch.flags  # uint8: bytes are their own array
+    blocks = _blocks(batch, n, step)
+    if flags == _DECODE_FLAGS * n and _nothing_appended(batch, n):
+        # The usual step: every sequence one run-ahead decode (its count columns are still
+        # checked: of one item per sequence, and the steps one per sequence).
+        steps = _per_seq(batch.input_from_step, "q", n, step, "input_from_step")
+        return tuple(map(_new_tuple, repeat(StageCachedSeq), zip(
+            seq_ids, blocks, computed, new, repeat(()), repeat(True), steps)))
     if len(flags) != n:
         raise PlanError(f"step {step}: cached_batch.flags holds {len(flags)} uint8s for {n} "
                         "sequences (seq_ids)")
-    blocks = _runs(_per_seq(batch.new_block_counts, "i", n, step, "new_block_counts"),
-                   _unpack(batch.new_block_ids, "i", step, "new_block_ids"), step,
-                   "new_block")
     tokens = _runs(_per_seq(batch.append_token_counts, "i", n, step, "append_token_counts"),
                    _unpack(batch.append_token_ids, "q", step, "append_token_ids"), step,
                    "append_token")
@@ -80,6 +86,25 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
     samples = map(truth, flags.translate(_SAMPLE_BIT_ONLY))  # bools, in C
     columns = zip(seq_ids, blocks, computed, new, tokens, samples, from_step, strict=True)
     return tuple(map(_new_tuple, repeat(StageCachedSeq), columns))
+
+
+def _blocks(batch: pb.CachedBatch, n: int, step: int) -> Sequence[tuple[int, ...]]:
+    """Each of the `n` sequences' new block ids (most steps: none, which the counts column
+    of n zeros says without being unpacked).
+
+    Raises:
+        PlanError: as `_runs`, or a counts column that is not n int32s.
+    """
+    counts = batch.new_block_counts
+    if not batch.new_block_ids and counts == bytes(4 * n):
+        return [()] * n
+    return _runs(_per_seq(counts, "i", n, step, "new_block_counts"),
+                 _unpack(batch.new_block_ids, "i", step, "new_block_ids"), step, "new_block")
+
+
+def _nothing_appended(batch: pb.CachedBatch, n: int) -> bool:
+    """Whether no token is appended to any of the `n` sequences (counts: n int32 zeros)."""
+    return not batch.append_token_ids and batch.append_token_counts == bytes(4 * n)
 
 
 def _unpack(data: bytes, typecode: str, step: int, field: str) -> array[int]:

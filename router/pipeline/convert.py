@@ -21,6 +21,8 @@ from router.pipeline.outcome import PromptScores, StepOutcome
 from router.pipeline.shape import PipelineError, PipelineShape, StageInfo
 from router.scheduler import CachedSeq, StepPlan
 
+_DECODE_FLAGS = b"\x03"  # CachedBatch.flags of a run-ahead decode: it samples, run-ahead
+
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
@@ -68,21 +70,26 @@ def plans_to_protos(plans: Sequence[StepPlan], num_stages: int,
 
 
 def _plan_to_proto(plan: StepPlan, with_tokens: bool, traceparent: str = "") -> pb.StepPlan:
-    new = [
-        pb.NewSequence(
-            seq_id=s.seq_id, token_ids=s.token_ids if with_tokens else (),
-            prompt_len=s.prompt_len, block_ids=s.block_ids,
-            num_computed=s.num_computed_tokens, num_new=s.num_new_tokens, sample=s.sample,
-            sampling=sampling_to_proto(s.sampling)
-            if with_tokens and isinstance(s.sampling, SamplingParams) else None,
-        )
-        for s in plan.new_seqs
-    ]
-    copies = [pb.BlockCopy(src=c.src_block_id, dst=c.dst_block_id) for c in plan.block_copies]
-    return pb.StepPlan(step_id=plan.step_id, new_seqs=new,
-                       cached_batch=cached_batch_to_proto(plan.cached_seqs, with_tokens),
-                       free_seq_ids=plan.freed_seq_ids, block_copies=copies,
-                       traceparent=traceparent)
+    msg = pb.StepPlan(step_id=plan.step_id,
+                      cached_batch=cached_batch_to_proto(plan.cached_seqs, with_tokens))
+    if plan.new_seqs:  # the fields most steps leave empty are set only when they are not
+        msg.new_seqs.extend(
+            pb.NewSequence(
+                seq_id=s.seq_id, token_ids=s.token_ids if with_tokens else (),
+                prompt_len=s.prompt_len, block_ids=s.block_ids,
+                num_computed=s.num_computed_tokens, num_new=s.num_new_tokens, sample=s.sample,
+                sampling=sampling_to_proto(s.sampling)
+                if with_tokens and isinstance(s.sampling, SamplingParams) else None,
+            )
+            for s in plan.new_seqs)
+    if freed := plan.freed_seq_ids:
+        msg.free_seq_ids.extend(freed)
+    if plan.block_copies:
+        msg.block_copies.extend(pb.BlockCopy(src=c.src_block_id, dst=c.dst_block_id)
+                                for c in plan.block_copies)
+    if traceparent:
+        msg.traceparent = traceparent
+    return msg
 
 
 def cached_batch_to_proto(cached: Sequence[CachedSeq], with_tokens: bool) -> pb.CachedBatch:
@@ -96,6 +103,20 @@ def cached_batch_to_proto(cached: Sequence[CachedSeq], with_tokens: bool) -> pb.
         return pb.CachedBatch()
     # One transposition in C gives the columns; array() packs each without a Python loop.
     seq_ids, blocks, computed, new, tokens, from_step, samples = zip(*cached, strict=True)
+    n = len(cached)
+    zeros = bytes(4 * n)  # n int32 zeros: no block id or token appended
+    if blocks.count(()) == n:  # most steps: no sequence opens a block
+        block_counts, block_ids = zeros, b""
+    else:
+        block_counts = _le(array("i", map(len, blocks)))
+        block_ids = _le(array("i", chain.from_iterable(blocks)))
+    if (with_tokens and not from_step.count(None) and samples.count(True) == n
+            and tokens.count(()) == n):  # the usual step: every sequence a run-ahead decode
+        return pb.CachedBatch(
+            seq_ids=_le(array("q", seq_ids)), num_computed=_le(array("i", computed)),
+            num_new=_le(array("i", new)), flags=_DECODE_FLAGS * n,
+            input_from_step=_le(array("q", from_step)), new_block_counts=block_counts,
+            new_block_ids=block_ids, append_token_counts=zeros)
     if with_tokens and from_step.count(None) != len(from_step):
         flags = bytes([sample + (0 if k is None else 2)
                        for sample, k in zip(samples, from_step, strict=True)])
@@ -106,12 +127,11 @@ def cached_batch_to_proto(cached: Sequence[CachedSeq], with_tokens: bool) -> pb.
         token_counts = _le(array("i", map(len, tokens)))
         token_ids = _le(array("q", chain.from_iterable(tokens)))
     else:
-        token_counts, token_ids = bytes(4 * len(cached)), b""
+        token_counts, token_ids = zeros, b""
     return pb.CachedBatch(
         seq_ids=_le(array("q", seq_ids)), num_computed=_le(array("i", computed)),
         num_new=_le(array("i", new)), flags=flags, input_from_step=ahead,
-        new_block_counts=_le(array("i", map(len, blocks))),
-        new_block_ids=_le(array("i", chain.from_iterable(blocks))),
+        new_block_counts=block_counts, new_block_ids=block_ids,
         append_token_counts=token_counts, append_token_ids=token_ids)
 
 

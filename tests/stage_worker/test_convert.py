@@ -22,6 +22,10 @@ PREFILL_CHUNKS = (CachedSeq(1, tuple(range(64)), 0, 512, (), None, False),
                   CachedSeq(2, (7, 3), 2048, 32, (), None, True))  # the final chunk samples
 RUN_AHEAD = (CachedSeq(1, (), 9, 1, (), 0, True), CachedSeq(2, (5,), 30, 1, (), 2**40, True),
              CachedSeq(3, (), 12, 1, (), 7, True))
+# The steady decode step: every sequence a run-ahead decode (both ends convert it on a path
+# of their own), one of them opening a block.
+STEADY = tuple(CachedSeq(30 + i, (70,) if i == 2 else (), 60 + i, 1, (), 9 + i % 2, True)
+               for i in range(5))
 MIXED = (CachedSeq(5, (), 3, 1, (), 6, True),  # run-ahead
          CachedSeq(1 << 41, (8, 9, 10), 64, 24, (), None, False),  # a prefill chunk
          CachedSeq(6, (), 4, 3, (-1, BIG, 0), None, True),  # tokens appended meanwhile
@@ -42,8 +46,9 @@ def _received(plan: StepPlan, num_stages: int) -> list[StagePlan]:
             for msg in plans_to_protos([plan], num_stages)]
 
 
-@pytest.mark.parametrize("cached", [DECODES, PREFILL_CHUNKS, RUN_AHEAD, MIXED, ()],
-                         ids=["decodes", "prefill-chunks", "run-ahead", "mixed", "empty"])
+@pytest.mark.parametrize("cached", [DECODES, PREFILL_CHUNKS, RUN_AHEAD, STEADY, MIXED, ()],
+                         ids=["decodes", "prefill-chunks", "run-ahead", "steady", "mixed",
+                              "empty"])
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
 def test_every_stage_gets_the_cached_seqs_it_reads(cached: tuple[CachedSeq, ...],
                                                    num_stages: int) -> None:
@@ -127,6 +132,27 @@ def test_the_hand_packed_batch_decodes() -> None:
 def test_a_malformed_batch_is_a_plan_error_naming_field_and_lengths(field: str, value: bytes,
                                                                      error: str) -> None:
     batch = _good()
+    setattr(batch, field, value)
+    with pytest.raises(PlanError) as raised:
+        plan_from_proto(pb.StepPlan(step_id=6, cached_batch=batch))
+    assert str(raised.value).startswith(f"step 6: cached_batch.{error}"), str(raised.value)
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("input_from_step", _packed("q", [5]), "input_from_step holds 1 int64s for 2 sequences"),
+    ("num_new", _packed("i", [1, 1, 1]), "num_new holds 3 int32s for 2 sequences"),
+    ("new_block_counts", _packed("i", [0, 1]),
+     "new_block_counts sum to 1, but new_block_ids holds 0"),
+])
+def test_a_malformed_steady_decode_batch_is_a_plan_error(field: str, value: bytes,
+                                                         error: str) -> None:
+    """Two run-ahead decodes, nothing appended: the columns are checked on that path too."""
+    batch = pb.CachedBatch(
+        seq_ids=_packed("q", [1, 2]), num_computed=_packed("i", [8, 3]),
+        num_new=_packed("i", [1, 1]), flags=bytes([3, 3]), input_from_step=_packed("q", [5, 5]),
+        new_block_counts=_packed("i", [0, 0]), append_token_counts=_packed("i", [0, 0]))
+    assert plan_from_proto(pb.StepPlan(step_id=6, cached_batch=batch)).cached_seqs == (
+        StageCachedSeq(1, (), 8, 1, (), True, 5), StageCachedSeq(2, (), 3, 1, (), True, 5))
     setattr(batch, field, value)
     with pytest.raises(PlanError) as raised:
         plan_from_proto(pb.StepPlan(step_id=6, cached_batch=batch))
