@@ -70,8 +70,8 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
     flags = batch.flags  # uint8: bytes are their own array
     blocks = _blocks(batch, n, step)
     if flags == _DECODE_FLAGS * n and _nothing_appended(batch, n):
-        # The usual step: every sequence one run-ahead decode (its count columns are still
-        # checked: of one item per sequence, and the steps one per sequence).
+        # The usual step: every sequence one run-ahead decode, nothing appended. The columns
+        # of one item per sequence, the run-ahead steps' included, are still checked.
         steps = _per_seq(batch.input_from_step, "q", n, step, "input_from_step")
         return tuple(map(_new_tuple, repeat(StageCachedSeq), zip(
             seq_ids, blocks, computed, new, repeat(()), repeat(True), steps)))
