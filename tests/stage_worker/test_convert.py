@@ -8,6 +8,7 @@ from array import array
 
 import pytest
 
+from kvcache import BlockCopy
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.pipeline.convert import cached_batch_to_proto, plans_to_protos
 from router.scheduler import CachedSeq, NewSeq, StepPlan
@@ -80,6 +81,20 @@ def test_exact_stage_plans_first_middle_last() -> None:
         StageCachedSeq(2, (4,), 16, 1, (), True, None),
         StageCachedSeq(4, (), 20, 1, (), True, None),
         StageCachedSeq(6, (5, 6), 0, 16, (), False, None)), ())
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_frees_copies_and_a_trace_reach_every_stage(num_stages: int) -> None:
+    """The fields most plans leave empty, set in one plan beside a steady batch."""
+    plan = StepPlan(step_id=8, new_seqs=(), cached_seqs=STEADY, finished_seq_ids=(3,),
+                    aborted_seq_ids=(4,), preempted_seq_ids=(5,),
+                    block_copies=(BlockCopy(6, 7), BlockCopy(8, 9)))
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for index, msg in enumerate(plans_to_protos([plan], num_stages, {8: trace})):
+        got = plan_from_proto(pb.StepPlans.FromString(msg.SerializeToString()).plans[0])
+        reads_tokens = index in (0, num_stages - 1)
+        assert got == StagePlan(8, (), tuple(_stage_view(s, reads_tokens) for s in STEADY),
+                                (3, 4, 5), ((6, 7), (8, 9)), trace)
 
 
 def test_an_unset_batch_is_no_cached_seqs() -> None:
