@@ -68,8 +68,10 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
     computed = _per_seq(batch.num_computed, "i", n, step, "num_computed")
     new = _per_seq(batch.num_new, "i", n, step, "num_new")
     flags = batch.flags  # uint8: bytes are their own array
-    blocks = _blocks(batch, n, step)
-    if flags == _DECODE_FLAGS * n and _nothing_appended(batch, n):
+    zeros = bytes(4 * n)  # n int32 zeros: a counts column with nothing appended
+    blocks = _blocks(batch, n, zeros, step)
+    if (flags == _DECODE_FLAGS * n and not batch.append_token_ids
+            and batch.append_token_counts == zeros):
         # The usual step: every sequence one run-ahead decode, nothing appended. The columns
         # of one item per sequence, the run-ahead steps' included, are still checked.
         steps = _per_seq(batch.input_from_step, "q", n, step, "input_from_step")
@@ -88,23 +90,19 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
     return tuple(map(_new_tuple, repeat(StageCachedSeq), columns))
 
 
-def _blocks(batch: pb.CachedBatch, n: int, step: int) -> Sequence[tuple[int, ...]]:
-    """Each of the `n` sequences' new block ids (most steps: none, which the counts column
-    of n zeros says without being unpacked).
+def _blocks(batch: pb.CachedBatch, n: int, zeros: bytes,
+            step: int) -> Sequence[tuple[int, ...]]:
+    """Each of the `n` sequences' new block ids (most steps: none, which a counts column
+    equal to `zeros`, n int32 zeros, says without being unpacked).
 
     Raises:
         PlanError: as `_runs`, or a counts column that is not n int32s.
     """
     counts = batch.new_block_counts
-    if not batch.new_block_ids and counts == bytes(4 * n):
+    if not batch.new_block_ids and counts == zeros:
         return [()] * n
     return _runs(_per_seq(counts, "i", n, step, "new_block_counts"),
                  _unpack(batch.new_block_ids, "i", step, "new_block_ids"), step, "new_block")
-
-
-def _nothing_appended(batch: pb.CachedBatch, n: int) -> bool:
-    """Whether no token is appended to any of the `n` sequences (counts: n int32 zeros)."""
-    return not batch.append_token_ids and batch.append_token_counts == bytes(4 * n)
 
 
 def _unpack(data: bytes, typecode: str, step: int, field: str) -> array[int]:

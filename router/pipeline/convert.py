@@ -110,23 +110,19 @@ def cached_batch_to_proto(cached: Sequence[CachedSeq], with_tokens: bool) -> pb.
     else:
         block_counts = _le(array("i", map(len, blocks)))
         block_ids = _le(array("i", chain.from_iterable(blocks)))
-    if (with_tokens and not from_step.count(None) and samples.count(True) == n
-            and tokens.count(()) == n):  # the usual step: every sequence a run-ahead decode
-        return pb.CachedBatch(
-            seq_ids=_le(array("q", seq_ids)), num_computed=_le(array("i", computed)),
-            num_new=_le(array("i", new)), flags=_DECODE_FLAGS * n,
-            input_from_step=_le(array("q", from_step)), new_block_counts=block_counts,
-            new_block_ids=block_ids, append_token_counts=zeros)
-    if with_tokens and from_step.count(None) != len(from_step):
+    not_ahead = from_step.count(None)
+    if with_tokens and not not_ahead and samples.count(True) == n:  # run-ahead decodes only
+        flags, ahead = _DECODE_FLAGS * n, _le(array("q", from_step))
+    elif with_tokens and not_ahead != n:
         flags = bytes([sample + (0 if k is None else 2)
                        for sample, k in zip(samples, from_step, strict=True)])
         ahead = _le(array("q", [k for k in from_step if k is not None]))
     else:
         flags, ahead = bytes(samples), b""
-    if with_tokens:
+    if with_tokens and tokens.count(()) != n:
         token_counts = _le(array("i", map(len, tokens)))
         token_ids = _le(array("q", chain.from_iterable(tokens)))
-    else:
+    else:  # a middle stage, or no sequence appends a token (most steps)
         token_counts, token_ids = zeros, b""
     return pb.CachedBatch(
         seq_ids=_le(array("q", seq_ids)), num_computed=_le(array("i", computed)),
