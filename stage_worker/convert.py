@@ -11,11 +11,20 @@ from operator import truth
 from foundation.sampling_params import SamplingParams
 from foundation.structured_output import ConstraintKind, StructuredOutput
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
-from stage_worker.plan import PlanError, StageCachedSeq, StageNewSeq, StageOutcome, StagePlan
+from stage_worker.plan import (
+    PlanError,
+    StageCachedSeq,
+    StageNewSeq,
+    StageOutcome,
+    StagePlan,
+    SteadyBatch,
+)
 
 _new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
 _SAMPLE, _RUN_AHEAD = 1, 2  # CachedBatch.flags bits
 _DECODE_FLAGS = bytes((_SAMPLE | _RUN_AHEAD,))  # one run-ahead decode's flags
+_SAMPLE_ONLY = bytes((_SAMPLE,))  # a decode's flags with its input token appended
+_ONE_INT32 = (1).to_bytes(4, "little")  # a count of 1, as the columns pack it
 _SAMPLE_BIT_ONLY = bytes.maketrans(b"\x02\x03", b"\x00\x01")  # valid flags -> sample bit
 _ITEM_NAMES = {"q": "int64", "i": "int32"}  # CachedBatch's item types, by array typecode
 
@@ -53,10 +62,13 @@ def plan_from_proto(msg: pb.StepPlan) -> StagePlan:
                      if copies else (), msg.traceparent)
 
 
-def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq, ...]:
+def cached_from_proto(step: int,
+                      batch: pb.CachedBatch) -> tuple[StageCachedSeq, ...] | SteadyBatch:
     """The packed columns of `batch` (layout in stage.proto) as one StageCachedSeq per
     sequence, in batch order. The hot path of the conversion (every running sequence, every
-    step): each column is unpacked in C, and the tuples are zipped from the columns.
+    step): each column is unpacked in C, and the tuples are zipped from the columns. A
+    steady batch (every sequence one sampled decode, all run-ahead from one step or all
+    with one token appended) stays columns (`SteadyBatch`), recognised by comparing bytes.
 
     Raises:
         PlanError: a column that is not whole items, or whose length disagrees with the
@@ -66,14 +78,19 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
     seq_ids = _unpack(batch.seq_ids, "q", step, "seq_ids")
     n = len(seq_ids)
     computed = _per_seq(batch.num_computed, "i", n, step, "num_computed")
-    new = _per_seq(batch.num_new, "i", n, step, "num_new")
     flags = batch.flags  # uint8: bytes are their own array
     zeros = bytes(4 * n)  # n int32 zeros: a counts column with nothing appended
+    run_ahead = (flags == _DECODE_FLAGS * n and not batch.append_token_ids
+                 and batch.append_token_counts == zeros)
+    if n and batch.num_new == _ONE_INT32 * n:
+        decodes = _steady_batch(batch, seq_ids, computed, run_ahead, zeros, step)
+        if decodes is not None:
+            return decodes
+    new = _per_seq(batch.num_new, "i", n, step, "num_new")
     blocks = _blocks(batch, n, zeros, step)
-    if (flags == _DECODE_FLAGS * n and not batch.append_token_ids
-            and batch.append_token_counts == zeros):
-        # The usual step: every sequence one run-ahead decode, nothing appended. The columns
-        # of one item per sequence, the run-ahead steps' included, are still checked.
+    if run_ahead:
+        # Every sequence a run-ahead decode, nothing appended, but not a `SteadyBatch` (the
+        # run-ahead steps differ, say): the columns of one item per sequence are checked.
         steps = _per_seq(batch.input_from_step, "q", n, step, "input_from_step")
         return tuple(map(_new_tuple, repeat(StageCachedSeq), zip(
             seq_ids, blocks, computed, new, repeat(()), repeat(True), steps)))
@@ -88,6 +105,39 @@ def cached_from_proto(step: int, batch: pb.CachedBatch) -> tuple[StageCachedSeq,
     samples = map(truth, flags.translate(_SAMPLE_BIT_ONLY))  # bools, in C
     columns = zip(seq_ids, blocks, computed, new, tokens, samples, from_step, strict=True)
     return tuple(map(_new_tuple, repeat(StageCachedSeq), columns))
+
+
+def _steady_batch(batch: pb.CachedBatch, seq_ids: array[int], computed: array[int],
+                  ahead: bool, zeros: bytes, step: int) -> SteadyBatch | None:
+    """`batch` of n one-token decodes (n > 0), every one sampled, as a `SteadyBatch` when
+    it is one: all run-ahead from one step (`ahead`: the flags and counts say run-ahead,
+    nothing appended), all with one token appended, or all with neither (a middle stage's
+    plan); else None.
+
+    Raises:
+        PlanError: the block columns, as `_runs`.
+    """
+    n = len(seq_ids)
+    steps, appended = batch.input_from_step, None
+    if ahead:
+        if len(steps) != 8 * n or steps != steps[:8] * n:  # not one step, n times
+            return None
+        from_step: int | None = int.from_bytes(steps[:8], "little", signed=True)
+    elif batch.flags == _SAMPLE_ONLY * n and not steps:
+        from_step, token_counts = None, batch.append_token_counts
+        if token_counts == _ONE_INT32 * n and len(batch.append_token_ids) == 8 * n:
+            appended = _unpack(batch.append_token_ids, "q", step, "append_token_ids")
+        elif token_counts != zeros or batch.append_token_ids:  # zeros: a middle stage's
+            return None
+    else:
+        return None
+    counts = ids = None
+    if batch.new_block_ids or batch.new_block_counts != zeros:
+        counts = _per_seq(batch.new_block_counts, "i", n, step, "new_block_counts")
+        ids = _unpack(batch.new_block_ids, "i", step, "new_block_ids")
+        _check_runs(counts, ids, step, "new_block")
+    return SteadyBatch(seq_ids, computed, from_step, batch.seq_ids, batch.num_computed, counts,
+                       ids, appended)
 
 
 def _blocks(batch: pb.CachedBatch, n: int, zeros: bytes,
@@ -141,13 +191,7 @@ def _runs(counts: array[int], flat: array[int], step: int,
     Raises:
         PlanError: a negative count, or counts that do not sum to the length of `flat`.
     """
-    if counts and min(counts) < 0:
-        raise PlanError(f"step {step}: cached_batch.{name}_counts holds a negative count "
-                        f"({min(counts)})")
-    total = sum(counts)
-    if total != len(flat):
-        raise PlanError(f"step {step}: cached_batch.{name}_counts sum to {total}, but "
-                        f"{name}_ids holds {len(flat)}")
+    total = _check_runs(counts, flat, step, name)
     if not flat:  # every count is 0 (a middle stage's tokens, most steps' blocks)
         return [()] * len(counts)
     if total == len(counts) and 0 not in counts:  # one id each (a decode's input token)
@@ -155,6 +199,22 @@ def _runs(counts: array[int], flat: array[int], step: int,
     ids = iter(flat)
     one = ids.__next__
     return [() if not c else (one(),) if c == 1 else tuple(islice(ids, c)) for c in counts]
+
+
+def _check_runs(counts: array[int], flat: array[int], step: int, name: str) -> int:
+    """The sum of `counts`, which cut `flat` into runs (see `_runs`).
+
+    Raises:
+        PlanError: a negative count, or counts that do not sum to the length of `flat`.
+    """
+    if counts and min(counts) < 0:
+        raise PlanError(f"step {step}: cached_batch.{name}_counts holds a negative count "
+                        f"({min(counts)})")
+    total = sum(counts)
+    if total != len(flat):
+        raise PlanError(f"step {step}: cached_batch.{name}_counts sum to {total}, but "
+                        f"{name}_ids holds {len(flat)}")
+    return total
 
 
 def _from_steps(flags: bytes, steps: array[int], step: int) -> Sequence[int | None]:

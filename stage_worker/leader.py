@@ -269,6 +269,8 @@ class StageLeader:
         if not rank.held.keep_tokens:
             return {}
         if rank.is_last:
+            if rank.continues_lane(plan):  # the lane reads the tokens it sampled
+                return {}
             seqs = rank.held.seqs
             return {seq_id: seqs[seq_id].output_ids[-1]
                     for seq_id, _, _, _, _, _, k in plan.cached_seqs

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import islice, repeat
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from foundation.sampling_params import SamplingParams
 
@@ -53,20 +56,107 @@ class StageCachedSeq(NamedTuple):
     input_from_step: int | None = None
 
 
+_new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
+
+
+class SteadyBatch(Sequence[StageCachedSeq]):
+    """A cached batch in which every sequence is one sampled decode, all run-ahead from the
+    same step, all with their input token appended, or (a middle stage's) all without
+    inputs: the usual step of steady decode,
+    kept as the columns it came in. It reads as the `StageCachedSeq` tuple it stands for,
+    built on first use; a stage that continues an earlier batch of the same sequences by
+    one token reads only the columns (`stage_worker.lanes`), and never builds the tuples.
+
+    seq_ids / num_computed: the columns, batch order. seq_key / computed_key: the same
+    columns as they came on the wire (little-endian int64 / int32), compared as bytes.
+    from_step: every sequence's run-ahead step; or None, and `appended` holds each one's
+    input token (the router had it when it planned the step), or is None too (a middle
+    stage's plan: its inputs are activations).
+    block_counts / block_ids: the blocks appended, a count per sequence and the ids one
+    after another (counts checked: none negative, their sum the ids'); None / empty when
+    no sequence opens a block.
+    """
+
+    __slots__ = ("_items", "appended", "block_counts", "block_ids", "computed_key",
+                 "from_step", "num_computed", "seq_ids", "seq_key")
+
+    def __init__(self, seq_ids: array[int], num_computed: array[int], from_step: int | None,
+                 seq_key: bytes, computed_key: bytes, block_counts: array[int] | None = None,
+                 block_ids: array[int] | None = None,
+                 appended: array[int] | None = None) -> None:
+        if from_step is not None and appended is not None:
+            raise ValueError("a steady batch's inputs are run-ahead (from_step) or appended "
+                             "tokens, not both")
+        self.seq_ids = seq_ids
+        self.num_computed = num_computed
+        self.from_step = from_step
+        self.appended = appended
+        self.seq_key = seq_key
+        self.computed_key = computed_key
+        self.block_counts = block_counts
+        self.block_ids = block_ids if block_ids is not None else array("i")
+        self._items: tuple[StageCachedSeq, ...] | None = None
+
+    def blocks(self) -> Sequence[tuple[int, ...]]:
+        """Each sequence's new block ids (batch order)."""
+        counts = self.block_counts
+        if counts is None:
+            return [()] * len(self.seq_ids)
+        ids = iter(self.block_ids)
+        return [tuple(islice(ids, c)) for c in counts]
+
+    def items(self) -> tuple[StageCachedSeq, ...]:
+        """The batch as one `StageCachedSeq` per sequence (built once)."""
+        if self._items is None:
+            tokens = repeat(()) if self.appended is None else zip(self.appended)
+            self._items = tuple(map(_new_tuple, repeat(StageCachedSeq), zip(
+                self.seq_ids, self.blocks(), self.num_computed, repeat(1), tokens,
+                repeat(True), repeat(self.from_step))))
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> StageCachedSeq: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[StageCachedSeq, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> StageCachedSeq | tuple[StageCachedSeq, ...]:
+        return self.items()[index]
+
+    def __iter__(self) -> Iterator[StageCachedSeq]:
+        return iter(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SteadyBatch | tuple):
+            return self.items() == (other if isinstance(other, tuple) else other.items())
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SteadyBatch({self.items()!r})"
+
+
 @dataclass(frozen=True)
 class StagePlan:
-    """One step. Batch order: new_seqs, then cached_seqs."""
+    """One step. Batch order: new_seqs, then cached_seqs (a tuple, or the columns of a
+    steady batch, which read as one)."""
 
     step_id: int
     new_seqs: tuple[StageNewSeq, ...]
-    cached_seqs: tuple[StageCachedSeq, ...]
+    cached_seqs: tuple[StageCachedSeq, ...] | SteadyBatch
     free_seq_ids: tuple[int, ...]
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst), applied before the step
     traceparent: str = ""  # a traced request's trace context: the step is a span of it
 
     @cached_property
     def num_tokens(self) -> int:
-        return sum(map(_NUM_NEW, self.new_seqs)) + sum(map(_NUM_NEW, self.cached_seqs))
+        cached = self.cached_seqs  # a steady batch: one token a sequence
+        return sum(map(_NUM_NEW, self.new_seqs)) + (
+            len(cached) if isinstance(cached, SteadyBatch) else sum(map(_NUM_NEW, cached)))
 
     @property
     def num_seqs(self) -> int:

@@ -15,6 +15,7 @@ import torch
 from stage_worker.feedback import FeedbackStore, gather_device_inputs
 from stage_worker.held_seqs import HeldSeqs
 from stage_worker.host_transfer import copy_into, host_tensor, upload
+from stage_worker.lanes import Lane, Lanes
 from stage_worker.model_runner import InputFill, ModelRunner
 from stage_worker.parallel import TPGroup
 from stage_worker.plan import PlanError, PromptLogprobs, StagePlan
@@ -47,6 +48,11 @@ class StageRank:
         self.last_step_id = -1  # the last plan checked on this Run stream
         self.limits = StepLimits(cap.max_num_batched_tokens, cap.max_num_seqs, num_blocks,
                                  cap.block_size)
+        # Steady decode continued in columns (see `lanes`): where a plan is checked and
+        # applied in one place, in a pipeline of several stages.
+        self.lanes = Lanes(self.held, cap.block_size, num_blocks, knows_samples=self.is_last,
+                           enabled=tp.size == 1 and not (self.is_first and self.is_last))
+        self._continued: tuple[StagePlan, Lane] | None = None  # checked, not yet applied
 
     def check(self, plan: StagePlan) -> None:
         """Raise PlanError unless the stage can run `plan` (see `plan_check.check_plan`), or
@@ -56,9 +62,16 @@ class StageRank:
         if plan.step_id <= self.last_step_id:
             raise PlanError(f"step {plan.step_id} after step {self.last_step_id}: the step "
                             "ids of a Run stream must increase")
-        check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first,
-                   knows_samples=self.is_last)
+        lane = self.lanes.match(plan) if self.lanes.enabled else None
+        if lane is None:
+            check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first,
+                       knows_samples=self.is_last)
+        self._continued = None if lane is None else (plan, lane)
         self.last_step_id = plan.step_id
+
+    def continues_lane(self, plan: StagePlan) -> bool:
+        """Whether `check` found that `plan` continues a lane (`step` applies it so)."""
+        return self._continued is not None and self._continued[0] is plan
 
     def step(self, plan: StagePlan, upstream: torch.Tensor | None,
              fed: Mapping[int, int] | None = None, on_device: FeedbackStore | None = None,
@@ -84,7 +97,12 @@ class StageRank:
         Returns the step's chunks (batch order) and the runner's output (hidden states
         [T, H], or the last stage's scores), None when the plan computes nothing.
         """
-        step = self.held.apply(plan, fed, deferred or late is not None)
+        continued, self._continued = self._continued, None
+        if continued is not None and continued[0] is plan:
+            step = self.lanes.apply(continued[1], plan, deferred or late is not None)
+        else:
+            step = self.held.apply(plan, fed, deferred or late is not None)
+            self.lanes.note(plan, step)
         if plan.block_copies:
             self.runner.copy_blocks(plan.block_copies)
         if not step.chunks:
@@ -145,4 +163,6 @@ class StageRank:
         """Forget every sequence and the last step id (the Run stream ended); returns how
         many sequences there were."""
         self.last_step_id = -1
+        self._continued = None
+        self.lanes.clear()
         return self.held.clear()
