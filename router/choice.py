@@ -50,7 +50,9 @@ class ChoiceState:
         self.stop = StopChecker(stop, include_stop_str)
         self.finish_reason: FinishReason | None = None
         self.holds = not stop
-        self._held: list[int] = []
+        # Tokens held undecoded while `holds` (see the class); a token that ends nothing and
+        # carries no log probability may be appended here directly, as `on_token` would.
+        self.held: list[int] = []
         self._held_logprobs: list[TokenLogprob] = []
 
     @property
@@ -83,7 +85,7 @@ class ChoiceState:
     def _on_token(self, token_id: int, logprob: TokenLogprob | None,
                   verdict: FinishReason | None) -> ChoiceDelta | None:
         if verdict is None and self.holds:
-            self._held.append(token_id)
+            self.held.append(token_id)
             if logprob is not None:
                 self._held_logprobs.append(logprob)
             return None
@@ -107,7 +109,7 @@ class ChoiceState:
 
     def take_held(self) -> ChoiceDelta | None:
         """The tokens held since the last delta as one delta (None if none are held)."""
-        if not self._held:
+        if not self.held:
             return None
         ids, logprobs = self._take(None, None)
         return self._tool_calls(ChoiceDelta(self.index, self.detok.push_many(ids), ids,
@@ -116,16 +118,16 @@ class ChoiceState:
     def _take(self, token_id: int | None, logprob: TokenLogprob | None,
               ) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...]]:
         """The held tokens (and logprobs) followed by this one, if any; nothing stays held."""
-        ids = (*self._held, token_id) if token_id is not None else tuple(self._held)
+        ids = (*self.held, token_id) if token_id is not None else tuple(self.held)
         logprobs = tuple(self._held_logprobs)
         if logprob is not None:
             logprobs += (logprob,)
-        self._held.clear()
+        self.held.clear()
         self._held_logprobs.clear()
         return ids, logprobs
 
     def abort(self) -> ChoiceDelta:
-        self._held.clear()
+        self.held.clear()
         self._held_logprobs.clear()
         return self._tool_calls(self._finish(FinishReason.ABORT, (), (), ""))
 

@@ -249,21 +249,26 @@ class Frontend:
             self._on_prompt_logprobs(msg.prompt_logprobs)
         logprobs = msg.logprob_queues() if msg.logprobs else None
         stopped: list[int] = []
+        owner, interval = self.seq_owner.get, self.stream_interval
         for seq_id, token, code in zip(seq_ids, token_ids, finish, strict=True):
-            state = self.seq_owner.get(seq_id)
+            state = owner(seq_id)
             if state is None or state.done:
                 continue
             choice = state.choices[seq_id]
-            if choice.finished:
+            if choice.finish_reason is not None:
                 continue
-            lp = next_logprob(logprobs, seq_id, token) if logprobs else None
-            delta = choice.on_token(token, lp, FINISH_REASONS.get(code) if code else None)
             state.completion_tokens += 1
             if not state.first_token:
                 state.first_token = time.time()
+            if not code and choice.holds and logprobs is None:  # the usual token (the hot
+                choice.held.append(token)  # path): held, as `on_token` would, for a decode
+                delta = None  # with the next update's tokens
+            else:
+                lp = next_logprob(logprobs, seq_id, token) if logprobs else None
+                delta = choice.on_token(token, lp, FINISH_REASONS.get(code) if code else None)
             if delta is None:  # held, to be decoded with the next update's tokens
                 state.pending_tokens += 1
-                if state.pending_tokens >= self.stream_interval:
+                if state.pending_tokens >= interval:
                     self._flush_or_defer(state)
                 continue
             if delta.finish_reason is not None:

@@ -21,6 +21,7 @@ from router.core.capacity import plan_capacity
 from router.core.config import CoreConfig
 from router.core.ledger import Ledger
 from router.core.messages import (
+    FINISH_NONE,
     FINISH_STOP,
     Aborted,
     AbortRequest,
@@ -312,21 +313,18 @@ class EngineCore:
                 outbox.batch(front_of(scores.seq_id)).prompt_logprobs.append(
                     PromptLogprobEntry(scores.seq_id, scores.start, [
                         (e.token_id, e.logprob, list(e.top)) for e in scores.entries]))
-        for seq_id, token in update.new_tokens.items():
-            rules = live.get(seq_id)
-            if rules is None:
-                continue
-            code = self.ledger.verdict(seq_id, token, rules, seq_id in capped)
-            if code and seq_id not in capped:  # a capped one the scheduler already ended
-                scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
-                                 else FinishReason.LENGTH)
-            batch = outbox.batch(front_of(seq_id))
-            batch.seq_ids.append(seq_id)
-            batch.token_ids.append(token)
-            batch.finish.append(code)
-            if rules.logprobs and (lp := outcome.logprobs.get(seq_id)) is not None:
-                batch.logprobs.append(LogprobEntry(seq_id, lp.token_id, lp.logprob,
-                                                   list(lp.top)))
+        seq_ids, tokens = list(update.new_tokens), list(update.new_tokens.values())
+        codes, wants = self.ledger.settle(seq_ids, tokens, capped)
+        outbox.add_tokens(seq_ids, tokens, codes)
+        if codes.count(FINISH_NONE) != len(codes):  # ended (a capped one already was)
+            for seq_id, code in zip(seq_ids, codes, strict=True):
+                if code > FINISH_NONE and seq_id not in capped:
+                    scheduler.finish(seq_id, FinishReason.STOP if code == FINISH_STOP
+                                     else FinishReason.LENGTH)
+        for seq_id in wants:
+            if (lp := outcome.logprobs.get(seq_id)) is not None:
+                outbox.batch(front_of(seq_id)).logprobs.append(
+                    LogprobEntry(seq_id, lp.token_id, lp.logprob, list(lp.top)))
         self._wake.set()
 
     def _on_answered(self, count: int) -> None:

@@ -5,7 +5,10 @@ Pure bookkeeping: the core tells the scheduler."""
 
 from __future__ import annotations
 
-from router.core.messages import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, front_of
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+
+from router.core.messages import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, NOT_LIVE, front_of
 from router.core.request_trace import RequestTrace
 
 
@@ -100,21 +103,34 @@ class Ledger:
                 self.finished_by_front[front] = self.finished_by_front.get(front, 0) + 1
         return rules
 
-    def verdict(self, seq_id: int, token: int, rules: SeqRules, capped: bool) -> int:
-        """The FINISH_* code of a live sequence's new token (`rules` is its); a stop token,
-        `max_tokens` or `capped` (the scheduler ended it at the context limit) ends it here.
-        The caller tells the scheduler."""
-        rules.generated += 1
-        if rules.generated == 1 and rules.request.trace is not None:
-            rules.request.trace.first_token()
-        if token in rules.stop_ids:
-            code = FINISH_STOP
-        elif capped or rules.generated >= rules.max_tokens:
-            code = FINISH_LENGTH
-        else:
-            return FINISH_NONE
-        self.end(seq_id, aborted=False)
-        return code
+    def settle(self, seq_ids: Sequence[int], tokens: Sequence[int],
+               capped: AbstractSet[int]) -> tuple[list[int], list[int]]:
+        """A step's new tokens (`tokens[i]` is `seq_ids[i]`'s) against their sequences'
+        rules, in one pass (the hot loop: every token): each token's FINISH_* code, and the
+        live sequences that want log probabilities. A stop token, `max_tokens` or `capped`
+        (the sequences the scheduler ended at the context limit) ends its sequence here; the
+        caller tells the scheduler. NOT_LIVE: the sequence is not live (its token is
+        dropped)."""
+        rules_of, codes, wants = self.rules.get, [], []
+        for seq_id, token in zip(seq_ids, tokens, strict=True):
+            rules = rules_of(seq_id)
+            if rules is None:
+                codes.append(NOT_LIVE)
+                continue
+            rules.generated += 1
+            if rules.generated == 1 and rules.request.trace is not None:
+                rules.request.trace.first_token()
+            if token in rules.stop_ids:
+                codes.append(FINISH_STOP)
+            elif rules.generated >= rules.max_tokens or seq_id in capped:
+                codes.append(FINISH_LENGTH)
+            else:
+                codes.append(FINISH_NONE)
+            if rules.logprobs:
+                wants.append(seq_id)
+            if codes[-1]:
+                self.end(seq_id, aborted=False)
+        return codes, wants
 
     def abort_all(self, front: int | None = None) -> list[int]:
         """End every live sequence, of one front or of all, as aborted; returns their ids."""

@@ -26,6 +26,7 @@ SEQ_ID_FRONT_SHIFT = 40
 
 # StepOutputs.finish codes: why the core ended a sequence with this token (0: it did not).
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+NOT_LIVE = -1  # the core's own code for a token of a sequence no longer live (never sent)
 FINISH_REASONS = {FINISH_STOP: FinishReason.STOP, FINISH_LENGTH: FinishReason.LENGTH}
 
 
@@ -313,6 +314,24 @@ class FrontOutbox:
         if batch is None:
             batch = self._batches[front] = FrontBatch()
         return batch
+
+    def add_tokens(self, seq_ids: list[int], tokens: list[int], codes: list[int]) -> None:
+        """A step's new tokens (`tokens[i]` is `seq_ids[i]`'s) with their FINISH_* codes,
+        each to its front's batch; a token coded NOT_LIVE is dropped. The usual step (one
+        front's sequences, none ended) goes in three list extensions."""
+        if (seq_ids and codes.count(FINISH_NONE) == len(codes)
+                and front_of(min(seq_ids)) == front_of(max(seq_ids))):
+            batch = self.batch(front_of(seq_ids[0]))
+            batch.seq_ids += seq_ids
+            batch.token_ids += tokens
+            batch.finish += codes
+            return
+        for seq_id, token, code in zip(seq_ids, tokens, codes, strict=True):
+            if code != NOT_LIVE:
+                batch = self.batch(front_of(seq_id))
+                batch.seq_ids.append(seq_id)
+                batch.token_ids.append(token)
+                batch.finish.append(code)
 
     def note_cached(self, front: int, hit: tuple[int, int, float]) -> None:
         """(seq_id, prompt tokens found cached, when its first prefill was planned), sent

@@ -4,7 +4,13 @@ counted once (in all and by front), aborts not counted, a dead front's sequences
 from __future__ import annotations
 
 from router.core.ledger import Ledger
-from router.core.messages import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, SEQ_ID_FRONT_SHIFT
+from router.core.messages import (
+    FINISH_LENGTH,
+    FINISH_NONE,
+    FINISH_STOP,
+    NOT_LIVE,
+    SEQ_ID_FRONT_SHIFT,
+)
 
 FRONT1 = 1 << SEQ_ID_FRONT_SHIFT
 
@@ -34,14 +40,12 @@ def test_verdicts_and_a_gone_front() -> None:
     ledger.add("a", [1], max_tokens=2, stop_ids=frozenset({7}), logprobs=[False])
     ledger.add("b", [FRONT1 + 1], max_tokens=2, stop_ids=frozenset(), logprobs=[True])
     ledger.add("c", [FRONT1 + 2], max_tokens=9, stop_ids=frozenset(), logprobs=[False])
-    rules = ledger.rules
-    assert ledger.verdict(1, 5, rules[1], capped=False) == FINISH_NONE
-    assert ledger.verdict(1, 7, rules[1], capped=False) == FINISH_STOP
-    seq = FRONT1 + 1
-    assert ledger.verdict(seq, 5, rules[seq], capped=False) == FINISH_NONE
-    assert ledger.verdict(seq, 5, rules[seq], capped=False) == FINISH_LENGTH
-    seq = FRONT1 + 2
-    assert ledger.verdict(seq, 5, rules[seq], capped=True) == FINISH_LENGTH
+    b, c = FRONT1 + 1, FRONT1 + 2
+    assert ledger.settle([1, b, c], [5, 5, 5], set()) == ([FINISH_NONE] * 3, [b])
+    # A stop token, max_tokens, the context limit; and a sequence no longer live.
+    assert ledger.settle([1, b, c, 8], [7, 5, 5, 5], {c}) == (
+        [FINISH_STOP, FINISH_LENGTH, FINISH_LENGTH, NOT_LIVE], [b])
+    assert not ledger.rules
     assert ledger.finished_by_front == {0: 1, 1: 2}
     ledger.add("d", [FRONT1 + 3], max_tokens=9, stop_ids=frozenset(), logprobs=[False])
     ledger.add("e", [3], max_tokens=9, stop_ids=frozenset(), logprobs=[False])

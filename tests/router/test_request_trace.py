@@ -69,10 +69,9 @@ def test_the_core_records_one_span_per_traced_request(exported: InMemorySpanExpo
     trace_id, span_id, parent = _traceparent()
     ledger.add("r", [3, 4], 2, frozenset(), [False, False], parent)
     StepTraces(64).of([StepPlan(64, (_new(3), _new(4)), ())], ledger.rules)
-    for seq_id in (3, 4):
-        assert ledger.verdict(seq_id, 9, ledger.rules[seq_id], False) == FINISH_NONE
+    assert ledger.settle([3, 4], [9, 9], set()) == ([FINISH_NONE, FINISH_NONE], [])
     assert exported.get_finished_spans() == ()  # open while a sequence lives
-    assert ledger.verdict(3, 9, ledger.rules[3], False) == FINISH_LENGTH
+    assert ledger.settle([3], [9], set()) == ([FINISH_LENGTH], [])
     ledger.end(4, aborted=True)
     (span,) = exported.get_finished_spans()
     assert ledger.traced == 0
