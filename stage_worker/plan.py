@@ -62,10 +62,10 @@ _new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's P
 class SteadyBatch(Sequence[StageCachedSeq]):
     """A cached batch in which every sequence is one sampled decode, all run-ahead from the
     same step, all with their input token appended, or (a middle stage's) all without
-    inputs: the usual step of steady decode,
-    kept as the columns it came in. It reads as the `StageCachedSeq` tuple it stands for,
-    built on first use; a stage that continues an earlier batch of the same sequences by
-    one token reads only the columns (`stage_worker.lanes`), and never builds the tuples.
+    inputs: the usual step of steady decode, kept as the columns it came in. It reads as
+    the `StageCachedSeq` tuple it stands for, built on first use; a stage that continues an
+    earlier batch of the same sequences by one token reads only the columns
+    (`stage_worker.lanes`), and never builds the tuples.
 
     seq_ids / num_computed: the columns, batch order. seq_key / computed_key: the same
     columns as they came on the wire (little-endian int64 / int32), compared as bytes.
