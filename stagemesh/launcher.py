@@ -363,15 +363,18 @@ def set_cpu_policy(args: argparse.Namespace) -> cpu_policy.CpuPolicy | None:
 
 
 def _print_endpoints(children: list[Child], args: argparse.Namespace) -> None:
-    router = next(c for c in children if c.role == "router")
-    print(f"stagemesh ready: gRPC {router.address}", end="")
-    if args.gateway_port:
-        print(f", HTTP http://{args.host}:{args.gateway_port}/v1", end="")
-    print(flush=True)
+    """Every child's pid, address and metrics endpoint, then the ready line, in one write:
+    whoever waits for the ready line (`local_mesh.Mesh`, a log reader) has every endpoint
+    by then."""
+    lines = []
     for c in children:
         assert c.proc is not None
         metrics = f"  metrics {c.metrics}" if c.metrics else ""
-        print(f"  {c.role:<9} pid {c.proc.pid:<7} {c.address:<21}{metrics}", flush=True)
+        lines.append(f"  {c.role:<9} pid {c.proc.pid:<7} {c.address:<21}{metrics}")
+    router = next(c for c in children if c.role == "router")
+    http = f", HTTP http://{args.host}:{args.gateway_port}/v1" if args.gateway_port else ""
+    lines.append(f"stagemesh ready: gRPC {router.address}{http}")
+    print("\n".join(lines), flush=True)
 
 
 def _supervise(children: list[Child], stop: dict[str, int]) -> None:
