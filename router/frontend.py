@@ -56,11 +56,9 @@ from router.metrics import FrontMetrics
 from router.outputs import (
     ChoiceDelta,
     FailureKind,
-    PromptLogprobs,
     RequestDone,
     RequestFailed,
     StreamItem,
-    TokenLogprob,
     Usage,
     coalesce,
 )
@@ -280,23 +278,11 @@ class Frontend:
             self.endpoint.send(FinishSeqs(stopped, "stop"))
 
     def _on_prompt_logprobs(self, entries: list[PromptLogprobEntry]) -> None:
-        """Collect each request's prompt log probabilities; once all its prompt positions
-        are in, they go to its stream, ahead of its first token. Positions computed again
-        (a preempted request recomputes its prompt) are not repeated."""
+        """Each request's prompt log probabilities, to its state (`add_prompt_scores`)."""
         for entry in entries:
             state = self.seq_owner.get(entry.seq_id)
-            if state is None or state.done or state.prompt_scores_sent:
-                continue
-            have = state.prompt_scores
-            skip = len(have) - (entry.start - 1)  # positions already held
-            if skip < 0:
-                continue  # a gap cannot happen: the request reads no cached prefix
-            have += (TokenLogprob(token, logprob, tuple(top))
-                     for token, logprob, top in entry.entries[skip:])
-            if len(have) >= len(state.request.prompt_token_ids) - 1:
-                state.prompt_scores_sent = True
-                state.outbox.append(PromptLogprobs(tuple(have)))
-                state.wake.set()
+            if state is not None:
+                state.add_prompt_scores(entry.start, entry.entries)
 
     def _emit(self, state: RequestState, delta: ChoiceDelta) -> None:
         if delta.text or delta.token_ids or delta.finish_reason is not None:

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.choice import ChoiceState
-from router.outputs import ChoiceDelta, RequestTiming, StreamItem, TokenLogprob
+from router.outputs import (
+    ChoiceDelta,
+    PromptLogprobs,
+    RequestTiming,
+    StreamItem,
+    TokenLogprob,
+)
 from router.requests import GenerateRequest
 
 
@@ -38,6 +45,25 @@ class RequestState:
     prompt_scores: list[TokenLogprob] = field(default_factory=list)
     prompt_scores_sent: bool = False
     last_update: float = 0.0  # when its latest one was
+
+    def add_prompt_scores(self, start: int, entries: Sequence[
+            tuple[int, float, Sequence[tuple[int, float]]]]) -> None:
+        """Prompt log probabilities from position `start` on ((token, logprob, top) each);
+        once all prompt positions are in, they go to the stream, ahead of its first token.
+        Positions computed again (a preempted request recomputes its prompt) are not
+        repeated."""
+        if self.done or self.prompt_scores_sent:
+            return
+        have = self.prompt_scores
+        skip = len(have) - (start - 1)  # positions already held
+        if skip < 0:
+            return  # a gap cannot happen: the request reads no cached prefix
+        have += (TokenLogprob(token, logprob, tuple(top))
+                 for token, logprob, top in entries[skip:])
+        if len(have) >= len(self.request.prompt_token_ids) - 1:
+            self.prompt_scores_sent = True
+            self.outbox.append(PromptLogprobs(tuple(have)))
+            self.wake.set()
 
     def timing(self) -> RequestTiming:
         """Its queue, prefill and decode times, now that it ends."""
