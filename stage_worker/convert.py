@@ -18,6 +18,7 @@ from stage_worker.plan import (
     StageOutcome,
     StagePlan,
     SteadyBatch,
+    little_endian,
 )
 
 _new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
@@ -75,17 +76,18 @@ def cached_from_proto(step: int,
             number of sequences (or, for the flat ids, with the sum of their counts); a flag
             bit that is not defined.
     """
-    seq_ids = _unpack(batch.seq_ids, "q", step, "seq_ids")
-    n = len(seq_ids)
-    computed = _per_seq(batch.num_computed, "i", n, step, "num_computed")
+    n, whole = divmod(len(batch.seq_ids), 8)
     flags = batch.flags  # uint8: bytes are their own array
     zeros = bytes(4 * n)  # n int32 zeros: a counts column with nothing appended
     run_ahead = (flags == _DECODE_FLAGS * n and not batch.append_token_ids
                  and batch.append_token_counts == zeros)
-    if n and batch.num_new == _ONE_INT32 * n:
-        decodes = _steady_batch(batch, seq_ids, computed, run_ahead, zeros, step)
+    if (n and not whole and len(batch.num_computed) == 4 * n
+            and batch.num_new == _ONE_INT32 * n):  # one-token decodes: maybe steady
+        decodes = _steady_batch(batch, n, run_ahead, zeros, step)
         if decodes is not None:
             return decodes
+    seq_ids = _unpack(batch.seq_ids, "q", step, "seq_ids")
+    computed = _per_seq(batch.num_computed, "i", n, step, "num_computed")
     new = _per_seq(batch.num_new, "i", n, step, "num_new")
     blocks = _blocks(batch, n, zeros, step)
     if run_ahead:
@@ -107,17 +109,16 @@ def cached_from_proto(step: int,
     return tuple(map(_new_tuple, repeat(StageCachedSeq), columns))
 
 
-def _steady_batch(batch: pb.CachedBatch, seq_ids: array[int], computed: array[int],
-                  ahead: bool, zeros: bytes, step: int) -> SteadyBatch | None:
-    """`batch` of n one-token decodes (n > 0), every one sampled, as a `SteadyBatch` when
-    it is one: all run-ahead from one step (`ahead`: the flags and counts say run-ahead,
-    nothing appended), all with one token appended, or all with neither (a middle stage's
-    plan); else None.
+def _steady_batch(batch: pb.CachedBatch, n: int, ahead: bool, zeros: bytes,
+                  step: int) -> SteadyBatch | None:
+    """`batch` of n one-token decodes (n > 0; its id and num_computed columns of n whole
+    items), every one sampled, as a `SteadyBatch` when it is one: all run-ahead from one
+    step (`ahead`: the flags and counts say run-ahead, nothing appended), all with one token
+    appended, or all with neither (a middle stage's plan); else None.
 
     Raises:
         PlanError: the block columns, as `_runs`.
     """
-    n = len(seq_ids)
     steps, appended = batch.input_from_step, None
     if ahead:
         if len(steps) != 8 * n or steps != steps[:8] * n:  # not one step, n times
@@ -136,8 +137,7 @@ def _steady_batch(batch: pb.CachedBatch, seq_ids: array[int], computed: array[in
         counts = _per_seq(batch.new_block_counts, "i", n, step, "new_block_counts")
         ids = _unpack(batch.new_block_ids, "i", step, "new_block_ids")
         _check_runs(counts, ids, step, "new_block")
-    return SteadyBatch(seq_ids, computed, from_step, batch.seq_ids, batch.num_computed, counts,
-                       ids, appended)
+    return SteadyBatch(batch.seq_ids, batch.num_computed, from_step, counts, ids, appended)
 
 
 def _blocks(batch: pb.CachedBatch, n: int, zeros: bytes,
@@ -161,14 +161,11 @@ def _unpack(data: bytes, typecode: str, step: int, field: str) -> array[int]:
     Raises:
         PlanError: `data` is not a whole number of items.
     """
-    values = array(typecode)
-    if len(data) % values.itemsize:
+    size = array(typecode).itemsize
+    if len(data) % size:
         raise PlanError(f"step {step}: cached_batch.{field} holds {len(data)} bytes, not "
-                        f"whole {_ITEM_NAMES[typecode]}s ({values.itemsize} bytes each)")
-    values.frombytes(data)
-    if sys.byteorder != "little":
-        values.byteswap()
-    return values
+                        f"whole {_ITEM_NAMES[typecode]}s ({size} bytes each)")
+    return little_endian(data, typecode)
 
 
 def _per_seq(data: bytes, typecode: str, n: int, step: int, field: str) -> array[int]:

@@ -108,9 +108,10 @@ class Lanes:
     def match(self, plan: StagePlan) -> Lane | None:
         """The lane `plan` continues (see the module), or None: then check it in full."""
         batch = plan.cached_seqs
-        if not isinstance(batch, SteadyBatch) or plan.new_seqs or plan.free_seq_ids \
-                or plan.block_copies or (self.held.keep_tokens and batch.from_step is None
-                                         and batch.appended is None):  # inputs it needs
+        if (not self.enabled or not isinstance(batch, SteadyBatch) or plan.new_seqs
+                or plan.free_seq_ids or plan.block_copies
+                or (self.held.keep_tokens and batch.from_step is None
+                    and batch.appended is None)):  # a stage that keeps tokens needs inputs
             return None
         lane = self._lanes.get(batch.seq_key)
         if (lane is None or plan.step_id <= lane.step_id

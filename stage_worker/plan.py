@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,15 @@ class StageCachedSeq(NamedTuple):
 _new_tuple = tuple.__new__  # builds a StageCachedSeq without the NamedTuple's Python __new__
 
 
+def little_endian(data: bytes, typecode: str) -> array[int]:
+    """Whole little-endian items of `typecode` from `data`, in this host's byte order."""
+    values = array(typecode)
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
 class SteadyBatch(Sequence[StageCachedSeq]):
     """A cached batch in which every sequence is one sampled decode, all run-ahead from the
     same step, all with their input token appended, or (a middle stage's) all without
@@ -67,8 +77,9 @@ class SteadyBatch(Sequence[StageCachedSeq]):
     earlier batch of the same sequences by one token reads only the columns
     (`stage_worker.lanes`), and never builds the tuples.
 
-    seq_ids / num_computed: the columns, batch order. seq_key / computed_key: the same
-    columns as they came on the wire (little-endian int64 / int32), compared as bytes.
+    seq_key / computed_key: the sequence ids and num_computed columns as they came on the
+    wire (little-endian int64 / int32, whole items, one per sequence), compared as bytes;
+    `seq_ids` / `num_computed` unpack them when the tuples are built.
     from_step: every sequence's run-ahead step; or None, and `appended` holds each one's
     input token (the router had it when it planned the step), or is None too (a middle
     stage's plan: its inputs are activations).
@@ -78,30 +89,35 @@ class SteadyBatch(Sequence[StageCachedSeq]):
     """
 
     __slots__ = ("_items", "appended", "block_counts", "block_ids", "computed_key",
-                 "from_step", "num_computed", "seq_ids", "seq_key")
+                 "from_step", "seq_key")
 
-    def __init__(self, seq_ids: array[int], num_computed: array[int], from_step: int | None,
-                 seq_key: bytes, computed_key: bytes, block_counts: array[int] | None = None,
-                 block_ids: array[int] | None = None,
+    def __init__(self, seq_key: bytes, computed_key: bytes, from_step: int | None,
+                 block_counts: array[int] | None = None, block_ids: array[int] | None = None,
                  appended: array[int] | None = None) -> None:
         if from_step is not None and appended is not None:
             raise ValueError("a steady batch's inputs are run-ahead (from_step) or appended "
                              "tokens, not both")
-        self.seq_ids = seq_ids
-        self.num_computed = num_computed
-        self.from_step = from_step
-        self.appended = appended
         self.seq_key = seq_key
         self.computed_key = computed_key
+        self.from_step = from_step
+        self.appended = appended
         self.block_counts = block_counts
         self.block_ids = block_ids if block_ids is not None else array("i")
         self._items: tuple[StageCachedSeq, ...] | None = None
+
+    @property
+    def seq_ids(self) -> array[int]:
+        return little_endian(self.seq_key, "q")
+
+    @property
+    def num_computed(self) -> array[int]:
+        return little_endian(self.computed_key, "i")
 
     def blocks(self) -> Sequence[tuple[int, ...]]:
         """Each sequence's new block ids (batch order)."""
         counts = self.block_counts
         if counts is None:
-            return [()] * len(self.seq_ids)
+            return [()] * len(self)
         ids = iter(self.block_ids)
         return [tuple(islice(ids, c)) for c in counts]
 
@@ -115,7 +131,7 @@ class SteadyBatch(Sequence[StageCachedSeq]):
         return self._items
 
     def __len__(self) -> int:
-        return len(self.seq_ids)
+        return len(self.seq_key) // 8
 
     @overload
     def __getitem__(self, index: int) -> StageCachedSeq: ...

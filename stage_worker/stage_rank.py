@@ -62,7 +62,7 @@ class StageRank:
         if plan.step_id <= self.last_step_id:
             raise PlanError(f"step {plan.step_id} after step {self.last_step_id}: the step "
                             "ids of a Run stream must increase")
-        lane = self.lanes.match(plan) if self.lanes.enabled else None
+        lane = self.lanes.match(plan)
         if lane is None:
             check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first,
                        knows_samples=self.is_last)
