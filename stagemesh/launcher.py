@@ -364,13 +364,9 @@ def set_cpu_policy(args: argparse.Namespace) -> cpu_policy.CpuPolicy | None:
 
 def _print_endpoints(children: list[Child], args: argparse.Namespace) -> None:
     """Every child's pid, address and metrics endpoint, then the ready line, in one write:
-    whoever waits for the ready line (`local_mesh.Mesh`, a log reader) has every endpoint
-    by then."""
-    lines = []
-    for c in children:
-        assert c.proc is not None
-        metrics = f"  metrics {c.metrics}" if c.metrics else ""
-        lines.append(f"  {c.role:<9} pid {c.proc.pid:<7} {c.address:<21}{metrics}")
+    whoever waits for the ready line (`local_mesh.Mesh`, a reader) has every endpoint."""
+    lines = [f"  {c.role:<9} pid {c.proc.pid if c.proc else '-':<7} {c.address:<21}"
+             + (f"  metrics {c.metrics}" if c.metrics else "") for c in children]
     router = next(c for c in children if c.role == "router")
     http = f", HTTP http://{args.host}:{args.gateway_port}/v1" if args.gateway_port else ""
     lines.append(f"stagemesh ready: gRPC {router.address}{http}")
