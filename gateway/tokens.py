@@ -11,28 +11,15 @@ from __future__ import annotations
 
 import logging
 import re
-from functools import cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders
 
+from foundation.byte_level import byte_of_char, piece_bytes
+
 log = logging.getLogger("stagemesh.gateway")
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
-
-
-@cache
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte <-> printable character table, inverted (character -> byte)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in table.items()}
 
 
 class TokenTexts:
@@ -82,10 +69,8 @@ class TokenTexts:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is None:
             return None
-        if self._byte_level:
-            table = _byte_level_decoder()
-            if all(c in table for c in piece):
-                return bytes(table[c] for c in piece)
+        if self._byte_level and all(c in byte_of_char() for c in piece):
+            return piece_bytes(piece)
         if m := _BYTE_TOKEN.match(piece):
             return bytes([int(m.group(1), 16)])
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False)).encode()

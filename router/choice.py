@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from tokenizers import Tokenizer
 
-from router.detokenizer import IncrementalDetokenizer
+from router.detokenizer import make_detokenizer
 from router.outputs import ChoiceDelta, TokenLogprob
 from router.scheduler import FinishReason
 from router.stop import StopChecker
@@ -46,7 +46,7 @@ class ChoiceState:
         self.min_tokens = min_tokens
         self.generated = 0
         self.seq_id = seq_id
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.detok = make_detokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = StopChecker(stop, include_stop_str)
         self.finish_reason: FinishReason | None = None
         self.holds = not stop

@@ -21,6 +21,7 @@ import msgspec
 from grpc_health.v1 import health, health_pb2
 
 from foundation.api_keys import ApiKeys
+from foundation.byte_level import byte_level_tables
 from foundation.metrics import use_multiprocess_dir
 from foundation.tls import ServerTls, add_port, refuse_if_taken
 from foundation.tokenizer import ModelTokenizer
@@ -108,6 +109,7 @@ class FrontServer:
             use_multiprocess_dir(cfg.metrics_dir)
             metrics = FrontMetrics()
         self.front = Frontend(cfg.front_id, endpoint, tokenizer, cfg.stream_interval, metrics)
+        byte_level_tables(tokenizer.tokenizer)  # the detokenizers' tables, before any request
         tool_parser = resolve_format(cfg.tool_call_parser, tokenizer.chat_template_text)
         if cfg.front_id == 0:
             log.info("tool calls: %s", f"parsed as {tool_parser.value}" if tool_parser
