@@ -62,11 +62,11 @@ class ByteLevelTables:
 
 @cache
 def byte_level_tables(tokenizer: Tokenizer) -> ByteLevelTables | None:
-    """The tables of `tokenizer` (built once per tokenizer object, about 50 ms for 49k
-    tokens; a tokenizer is not changed once loaded), or None unless its decoder is ByteLevel alone and every added token decodes to
-    the same bytes whether or not it went through that decoder (its text is ASCII without
-    spaces or controls, or has a character outside the table): then the id -> bytes rule
-    above is the library's decode exactly."""
+    """The tables of `tokenizer` (built once per tokenizer object, which is not changed
+    once loaded: about 50 ms for 49k tokens), or None unless its decoder is ByteLevel alone
+    and every added token decodes to the same bytes whether or not it went through that
+    decoder (its text is ASCII without spaces or controls, or has a character outside the
+    table): then the id -> bytes rule above is the library's decode exactly."""
     if not isinstance(tokenizer.decoder, decoders.ByteLevel):
         return None
     added = tokenizer.get_added_tokens_decoder()
