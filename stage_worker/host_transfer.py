@@ -56,13 +56,24 @@ def host_tensor(values: Iterable[int] | Iterable[float] | Sequence[Sequence[int]
     faster than `torch.tensor(list)` (which converts element by element); nested lists and
     other dtypes go through `torch.tensor`. The same values either way."""
     code = _TYPECODES.get(dtype)
-    if code is None or (isinstance(values, Sequence) and values
-                        and isinstance(values[0], Sequence)):
+    if code is None or _nested(values):
         return torch.tensor(values, dtype=dtype)
     packed: array[Any] = array(code, values)
     if not packed:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(packed, dtype=dtype)
+
+
+def _nested(values: object) -> bool:
+    """Whether `values` is a sequence of sequences. A list or tuple of numbers, a step's
+    usual columns, is told without `Sequence`'s ABC check (Python-level, twice a call)."""
+    if type(values) is list or type(values) is tuple:
+        return bool(values) and type(values[0]) not in _NUMBERS and isinstance(values[0],
+                                                                                Sequence)
+    return isinstance(values, Sequence) and bool(values) and isinstance(values[0], Sequence)
+
+
+_NUMBERS = (int, float, bool)
 
 
 class HostCopy:

@@ -148,7 +148,8 @@ class Lanes:
             for i in compress(range(n), counts):
                 new = list(islice(ids, counts[i]))
                 tables[i] += new
-                refs.update(new)
+                for block in new:  # not Counter.update: its Mapping check is Python-level
+                    refs[block] = refs.get(block, 0) + 1
             lane.room = self._room(lane)
         inputs = StepInputs(list(map(_new_tuple, repeat(SeqChunk), zip(
             lane.seq_ids, lane.positions, repeat(1, n), lane.tables, repeat(True, n),

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +28,7 @@ from stage_worker.run_state import (
     ignore_result,
 )
 from stage_worker.stage_rank import StageRank
+from stage_worker.step_thread import StepThread
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -79,7 +79,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.leader = leader
         self.identity = identity
         self.draining = False
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-step")
+        self._worker = StepThread("stage-step")
         self._run_generation = 0
         self._run: RunState | None = None
         # Plans handed to the worker, and plans it started: each written by one thread
@@ -257,7 +257,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     plan = plan_from_proto(msg)
                     progress.submitted += 1
                     self._submitted += 1
-                    self._worker.submit(self._run_step, run, plan)
+                    self._worker.run_later(self._run_step, run, plan)
         except grpc.RpcError as e:  # the client went away: the stream ends
             log.info("run stream: %s", e)
         except Exception as e:  # a plan that does not convert: that step's error
@@ -283,7 +283,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     self._submitted += 1
                     if msg.hold_answer:
                         run.held.add(step_id)
-                    self._worker.submit(self._run_step, run, plan)
+                    self._worker.run_later(self._run_step, run, plan)
                     queued.put_nowait(QueuedStep(step_id, future, msg.hold_answer))
         except grpc.RpcError as e:  # the client went away: the stream ends
             log.info("run stream: %s", e)

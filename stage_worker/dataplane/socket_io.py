@@ -54,11 +54,11 @@ def send_all(
         DeadlineExpiredError: the deadline ran out (``transferred`` counts the bytes sent).
         LinkClosedError: the peer reset the connection or the socket was closed.
     """
-    pending = [b for b in buffers if len(b)]
+    pending = list(filter(len, buffers))
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg, no flags: one record stream
         _send_all_tls(sock, pending, deadline, poller)
         return
-    total = sum(len(b) for b in pending)
+    total = sum(map(len, pending))
     flags = 0 if deadline is None else socket.MSG_DONTWAIT
     done = 0
     try:

@@ -18,11 +18,17 @@ CPU = torch.device("cpu")
     ([3, -1, 2**63 - 1, -(2**63)], torch.int64), ((7,), torch.int32), ([], torch.int64),
     ([0.7, 1.0, 1e-9, -2.5], torch.float32), ([0.1, 1e300], torch.float64),
     ([True, False, True], torch.bool), ([[1, 2], [3, 4]], torch.int32), ([], torch.bool),
+    (((1, 2), (3, 4)), torch.int64), ([(5,), (6,)], torch.int64), ((2.5, 1), torch.float32),
 ])
 def test_host_tensors_hold_what_torch_tensor_would(values: list[object],
                                                    dtype: torch.dtype) -> None:
     got, want = host_tensor(values, dtype), torch.tensor(values, dtype=dtype)  # type: ignore[arg-type]
     assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+def test_any_iterable_of_numbers_becomes_a_tensor() -> None:
+    assert torch.equal(host_tensor(map(int, "1234")), torch.tensor([1, 2, 3, 4]))
+    assert torch.equal(host_tensor(range(3), torch.int32), torch.arange(3, dtype=torch.int32))
 
 
 def test_a_cpu_run_copies_nothing() -> None:
