@@ -12,24 +12,12 @@ from tokenizers import Tokenizer, decoders, models
 from foundation.byte_level import byte_level_tables, byte_of_char
 from foundation.tokenizer import ModelTokenizer
 from router.detokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, make_detokenizer
-from tests.default_model import default_model_dir
+from tests.router.detok_helpers import push_runs
 
 FFFD = "\ufffd"
 
 
-@pytest.fixture(scope="module")
-def model_tok() -> ModelTokenizer:
-    return ModelTokenizer.from_dir(default_model_dir())
 
-
-@pytest.fixture(scope="module")
-def tok(model_tok: ModelTokenizer) -> Tokenizer:
-    return model_tok.tokenizer
-
-
-@pytest.fixture(scope="module")
-def byte_ids(tok: Tokenizer) -> list[int]:
-    return sorted(i for t, i in tok.get_vocab().items() if len(t) == 1)
 
 
 def _check_stream(tok: Tokenizer, ids: list[int], runs: list[int], skip: bool) -> list[str]:
@@ -37,13 +25,7 @@ def _check_stream(tok: Tokenizer, ids: list[int], runs: list[int], skip: bool) -
     d = make_detokenizer(tok, [], skip)
     assert isinstance(d, ByteLevelDetokenizer)
     want = tok.decode(ids, skip_special_tokens=skip)
-    deltas, i = [], 0
-    for n in runs:
-        if i >= len(ids):
-            break
-        deltas.append(d.push_many(ids[i:i + n]))
-        i += n
-    deltas.append(d.flush())
+    deltas = [*push_runs(d, ids, runs), d.flush()]
     assert d.flush() == ""
     assert "".join(deltas) == want
     emitted = ""

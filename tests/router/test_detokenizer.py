@@ -13,19 +13,11 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from foundation.tokenizer import ModelTokenizer
 from router.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
-from tests.default_model import default_model_dir
+from tests.router.detok_helpers import push_runs
 
 FFFD = "\ufffd"
 
 
-@pytest.fixture(scope="module")
-def model_tok() -> ModelTokenizer:
-    return ModelTokenizer.from_dir(default_model_dir())
-
-
-@pytest.fixture(scope="module")
-def tok(model_tok: ModelTokenizer) -> Tokenizer:
-    return model_tok.tokenizer
 
 
 def _stream(tok: Tokenizer, ids: Sequence[int], prompt: Sequence[int] = (),
@@ -35,12 +27,6 @@ def _stream(tok: Tokenizer, ids: Sequence[int], prompt: Sequence[int] = (),
          else IncrementalDetokenizer(tok, prompt, skip, max_held_tokens=max_held))
     return [d.push(t) for t in ids] + [d.flush()]
 
-
-@pytest.fixture(scope="module")
-def byte_ids(tok: Tokenizer) -> list[int]:
-    """Tokens of one byte-level character, i.e. one raw byte: 0x80-0xBF are continuation
-    bytes, 0xC0-0xFF lead bytes. These are what split a character across tokens."""
-    return sorted(i for t, i in tok.get_vocab().items() if len(t) == 1)
 
 
 # (text, the exact deltas its tokens stream as, flush last). Multi-token characters appear
@@ -314,13 +300,7 @@ def test_stream_and_python_paths_give_the_same_deltas(tok: Tokenizer, byte_ids: 
     got = []
     for native in (True, False):
         d = IncrementalDetokenizer(tok, prompt, skip, max_held, decode_stream=native)
-        deltas, i = [], 0
-        for n in runs:
-            if i >= len(ids):
-                break
-            deltas.append(d.push_many(ids[i:i + n]))
-            i += n
-        got.append([*deltas, d.flush()])
+        got.append([*push_runs(d, ids, runs), d.flush()])
     assert got[0] == got[1]
     assert "".join(got[0]) == tok.decode(ids, skip_special_tokens=skip)
 
