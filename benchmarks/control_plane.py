@@ -4,7 +4,10 @@ activations per hop) and streaming tokens to clients. 64 sequences decode; steps
 from the router's step counter over a window of steady decoding, for 1 and 2 stages in
 the same run. Beside it, each part's CPU per step over the same window (from /proc: the
 router's front 0, its engine core, each stage, and this process as the client), which
-varies far less between runs on a shared machine than steps/s does, each part's wake-ups a
+varies far less between runs on a shared machine than steps/s does, and the same over the
+engine core's (`cpu_vs_engine_core_by_part`: the VM's speed moves every process together,
+so a part whose code changed is compared by this ratio with its own in another round of
+another tree, as long as the engine core's code is the same), each part's wake-ups a
 step (a thread that blocked and was woken; on a machine of few cores a wake-up costs more
 than most of the code it runs), each part's preemptions a step (a thread that could still
 run had its core taken: a woken thread preempted it, or its slice ended), and, before and
@@ -130,6 +133,7 @@ async def measure(address: str, seqs: int, window_s: float,
     return {"steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
             "tokens_per_s": got["tokens"] / got["seconds"],
             "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us,
+            "cpu_vs_engine_core_by_part": cpu_over(cpu_us, "engine core"),
             "wakeups_per_step": round(sum(woke.values()), 2),
             "wakeups_per_step_by_part": woke,
             "preemptions_per_step": round(sum(taken.values()), 2),
@@ -137,6 +141,14 @@ async def measure(address: str, seqs: int, window_s: float,
             **({"probe_ttft_ms_p50": round(statistics.median(ttft), 2),
                 "probe_ttft_ms_max": round(max(ttft), 2)} if (ttft := got["probe_ttft_ms"])
                else {})}
+
+
+def cpu_over(cpu_us: dict[str, int], part: str) -> dict[str, float]:
+    """Every other part's CPU a step over `part`'s (none when `part` has none)."""
+    base = cpu_us.get(part)
+    if not base:
+        return {}
+    return {other: round(us / base, 3) for other, us in cpu_us.items() if other != part}
 
 
 def micro_batches(asked: int, stages: int) -> int:
@@ -200,6 +212,8 @@ def main() -> None:
     print_table([{k: v for k, v in r.items() if not k.endswith("_by_part")} for r in rows])
     for r in rows:
         print(f"{r['stages']} stage(s), CPU µs per step:", r["cpu_us_per_step_by_part"])
+        print(f"{r['stages']} stage(s), CPU per step over the engine core's:",
+              r["cpu_vs_engine_core_by_part"])
         print(f"{r['stages']} stage(s), wake-ups per step:", r["wakeups_per_step_by_part"])
         print(f"{r['stages']} stage(s), preemptions per step:",
               r["preemptions_per_step_by_part"])
