@@ -37,13 +37,20 @@ def byte_of_char() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-def piece_bytes(piece: str) -> bytes:
-    """The bytes a byte-level decoder makes of one token's string: each character's byte,
-    or, if some character is not in the table (an added token's text), its UTF-8."""
+def table_bytes(piece: str) -> bytes | None:
+    """Each character's byte of one token's string, or None if some character is not in
+    the table (an added token's text)."""
     table = byte_of_char()
     if all(c in table for c in piece):
         return bytes(table[c] for c in piece)
-    return piece.encode("utf-8")
+    return None
+
+
+def piece_bytes(piece: str) -> bytes:
+    """The bytes a byte-level decoder makes of one token's string: `table_bytes`, or its
+    UTF-8 where some character is not in the table."""
+    spelled = table_bytes(piece)
+    return spelled if spelled is not None else piece.encode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders
 
-from foundation.byte_level import byte_of_char, piece_bytes
+from foundation.byte_level import table_bytes
 
 log = logging.getLogger("stagemesh.gateway")
 
@@ -69,8 +69,8 @@ class TokenTexts:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is None:
             return None
-        if self._byte_level and all(c in byte_of_char() for c in piece):
-            return piece_bytes(piece)
+        if self._byte_level and (spelled := table_bytes(piece)) is not None:
+            return spelled
         if m := _BYTE_TOKEN.match(piece):
             return bytes([int(m.group(1), 16)])
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False)).encode()

@@ -64,6 +64,9 @@ def host_tensor(values: Iterable[int] | Iterable[float] | Sequence[Sequence[int]
     return torch.frombuffer(packed, dtype=dtype)
 
 
+_NUMBERS = (int, float, bool)
+
+
 def _nested(values: object) -> bool:
     """Whether `values` is a sequence of sequences. A list or tuple of numbers, a step's
     usual columns, is told without `Sequence`'s ABC check (Python-level, twice a call)."""
@@ -71,9 +74,6 @@ def _nested(values: object) -> bool:
         return bool(values) and type(values[0]) not in _NUMBERS and isinstance(values[0],
                                                                                 Sequence)
     return isinstance(values, Sequence) and bool(values) and isinstance(values[0], Sequence)
-
-
-_NUMBERS = (int, float, bool)
 
 
 class HostCopy:
