@@ -239,8 +239,21 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.leader.interrupt(epoch, "the Run stream ended")
         run.skip_unanswered()
         if run.generation == self._run_generation:
-            dropped = await self._call(self.leader.reset)
+            # Queued without a future: a handler cancelled while it waits (the process
+            # stopping right after the router went) still has the stage reset and logged.
+            reset = asyncio.get_running_loop().create_future()
+            self._worker.run_later(self._reset_run, reset)
+            await reset
+
+    def _reset_run(self, done: asyncio.Future[None]) -> None:
+        """On the step thread: drop every sequence (a Run stream ended), log how many, then
+        settle `done` on its loop (if it is still running)."""
+        try:
+            dropped = self.leader.reset()
             log.info("run stream closed; dropped %s sequence(s)", dropped)
+        finally:  # a failed reset is logged by the step thread; the handler goes on
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                done.get_loop().call_soon_threadsafe(_settle, done)
 
     async def _queue_quiet_steps(self, requests: AsyncIterator[pb.StepPlans], run: RunState,
                                  progress: QuietProgress) -> None:
@@ -379,3 +392,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.leader.interrupt(self.leader.links.epoch, "the stage is shutting down")
         self._worker.submit(self.leader.shutdown).result(timeout=30)
         self._worker.shutdown(wait=True)
+
+
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.done():  # a cancelled waiter cancelled it
+        done.set_result(None)

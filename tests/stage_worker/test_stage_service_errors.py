@@ -6,6 +6,8 @@ failure, transports it cannot offer (the harness of test_stage_service.py)."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ import grpc
 import pytest
 
 from protos.stagemesh.stage.v1 import stage_pb2 as pb
+from protos.stagemesh.stage.v1 import stage_pb2_grpc
 from stage_worker.config import StageConfig
 from stage_worker.main import stage_servicer
 from stage_worker.parallel import TPGroup
@@ -200,3 +203,40 @@ def test_a_cpu_stage_offers_tcp_and_refuses_other_transports_naming_them(
     assert errors[2] == (grpc.StatusCode.INVALID_ARGUMENT,
                          "the feedback link is TRANSPORT_TCP only")
     assert address.startswith("127.0.0.1:")
+
+
+def test_a_stage_stopping_as_its_run_stream_ends_still_reports_what_it_dropped(
+        checkpoint: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`serve` stops the stages as soon as the router has gone: a Run handler still waiting
+    for its stream's reset when the process stops is cancelled there. The reset still runs
+    on the step thread, and so does its log line, which names the sequences dropped."""
+    servicer = stage_servicer(StageConfig(checkpoint, model_impl="null"), TPGroup())
+    started, gate = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        started.set()
+        gate.wait()
+
+    async def body() -> None:
+        server = grpc.aio.server()
+        stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = RunStream(stage_pb2_grpc.StageServiceStub(channel))
+            await call.write(prefill([1, 2], [[1, 2, 3], [4, 5]], [[0], [1]]))
+            assert (await call.read()).step_id == 0  # type: ignore[attr-defined]
+            servicer._worker.run_later(hold)  # the reset waits behind this
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            call.call.cancel()  # the router went
+            while not servicer._worker._queue.qsize():  # the handler asked for the reset
+                await asyncio.sleep(0.01)
+        await server.stop(grace=None)  # the stage stops: the waiting handler is cancelled
+
+    with caplog.at_level(logging.INFO, logger="stagemesh.stage"):
+        asyncio.run(body())  # what is still pending is cancelled on the way out
+        gate.set()
+        servicer.close()  # the step thread runs what was queued, then stops
+    assert "run stream closed; dropped 2 sequence(s)" in caplog.text
+    assert not servicer.leader.rank.held.seqs
