@@ -87,9 +87,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._submitted = 0
         self._started = 0
 
-    async def _call(self, fn: object, *args: object) -> object:
+    def _call(self, fn: object, *args: object) -> asyncio.Future[object]:
+        """`fn(*args)` queued on the step thread now; its result as a future of this loop
+        (cancelling it before it runs skips it)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, fn, *args)  # type: ignore[arg-type]
+        return loop.run_in_executor(self._worker, fn, *args)  # type: ignore[arg-type]
 
     async def Describe(self, request: pb.DescribeRequest,
                        context: grpc.aio.ServicerContext) -> pb.DescribeResponse:
@@ -239,21 +241,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self.leader.interrupt(epoch, "the Run stream ended")
         run.skip_unanswered()
         if run.generation == self._run_generation:
-            # Queued without a future: a handler cancelled while it waits (the process
-            # stopping right after the router went) still has the stage reset and logged.
-            reset = asyncio.get_running_loop().create_future()
-            self._worker.run_later(self._reset_run, reset)
-            await reset
+            # Shielded: a handler cancelled while it waits (the process stopping right
+            # after the router went) leaves the reset queued, and the reset logs itself.
+            await asyncio.shield(self._call(self._reset_run))
 
-    def _reset_run(self, done: asyncio.Future[None]) -> None:
-        """On the step thread: drop every sequence (a Run stream ended), log how many, then
-        settle `done` on its loop (if it is still running)."""
-        try:
-            dropped = self.leader.reset()
-            log.info("run stream closed; dropped %s sequence(s)", dropped)
-        finally:  # a failed reset is logged by the step thread; the handler goes on
-            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-                done.get_loop().call_soon_threadsafe(_settle, done)
+    def _reset_run(self) -> None:
+        """On the step thread: drop every sequence (a Run stream ended), saying how many."""
+        log.info("run stream closed; dropped %s sequence(s)", self.leader.reset())
 
     async def _queue_quiet_steps(self, requests: AsyncIterator[pb.StepPlans], run: RunState,
                                  progress: QuietProgress) -> None:
@@ -392,8 +386,3 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.leader.interrupt(self.leader.links.epoch, "the stage is shutting down")
         self._worker.submit(self.leader.shutdown).result(timeout=30)
         self._worker.shutdown(wait=True)
-
-
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.done():  # a cancelled waiter cancelled it
-        done.set_result(None)
