@@ -11,8 +11,12 @@ the data plane, never from the router:
 - P > 1 stages: over the feedback link. After every step it runs, sampling or not, the last
   stage sends one data-plane message on it: header step id = the step, two int64 tensors
   `seq_ids [S]` and `token_ids [S]` (the sampling sequences in batch order; S may be 0). The
-  first stage drains the link on a background thread (`FeedbackInbox`), whether or not any
-  plan uses run-ahead, so the last stage never blocks on it.
+  first stage's step thread reads the link itself (`FeedbackInbox`), with no thread of its
+  own: a take whose step is missing reads messages until it comes, and a step that took
+  nothing takes in what has arrived without waiting (`FeedbackStore.settle`), so a link no
+  plan reads from never fills and the last stage never blocks on it. On a machine of few
+  cores a thread that wakes for each message and wakes the step thread in turn costs a
+  step more than the read (docs/BENCHMARKS.md, W6).
 
 The store keeps the newest `FEEDBACK_STEPS_KEPT` steps. Steps arrive in step order, so a
 step that is missing while a later one is here never will arrive. A plan naming a step whose
@@ -31,7 +35,7 @@ from functools import cached_property
 
 import torch
 
-from stage_worker.dataplane import LinkClosedError, Transport, TransportError
+from stage_worker.dataplane import LinkClosedError, Transport, TransportError, TransportTimeout
 from stage_worker.host_transfer import to_device
 
 log = logging.getLogger("stagemesh.stage")
@@ -93,8 +97,9 @@ class StepTokens:
 
 
 class FeedbackStore:
-    """Tokens of recent steps by step id. Thread-safe: the feedback thread puts, the step
-    thread takes."""
+    """Tokens of recent steps by step id. The step thread puts (one stage) or receives them
+    from the feedback link (`attach`: the first stage of several) and takes them; any thread
+    may break a wait, clear or attach."""
 
     def __init__(self, keep: int = FEEDBACK_STEPS_KEPT) -> None:
         self._keep = keep
@@ -102,15 +107,47 @@ class FeedbackStore:
         self._newest = -1
         self._broken: str | None = None
         self._cond = threading.Condition()
+        self._inbox: FeedbackInbox | None = None  # the feedback link's end, once linked
+        self._generation = 0  # bumped by `attach` and `clear`: what was read before is void
+        self._took = False  # a take since the last `settle`
 
     def put(self, tokens: StepTokens) -> None:
         """Keep `tokens` (dropping the oldest step beyond the limit) and wake waiters."""
         with self._cond:
-            self._steps[tokens.step_id] = tokens
-            self._newest = max(self._newest, tokens.step_id)
-            while len(self._steps) > self._keep:
-                self._steps.popitem(last=False)
+            self._keep_locked(tokens)
             self._cond.notify_all()
+
+    def _keep_locked(self, tokens: StepTokens) -> None:
+        self._steps[tokens.step_id] = tokens
+        self._newest = max(self._newest, tokens.step_id)
+        while len(self._steps) > self._keep:
+            self._steps.popitem(last=False)
+
+    def attach(self, inbox: FeedbackInbox) -> None:
+        """Receive from `inbox` from now on (a new link): the store starts empty, and a
+        take waiting without a link reads this one."""
+        with self._cond:
+            self._inbox = inbox
+            self._forget()
+            self._cond.notify_all()
+
+    def settle(self, timeout_s: float) -> None:
+        """The first stage, after each step: if no take since the last call read the link,
+        take in the messages that have arrived, without waiting for more (`timeout_s`
+        bounds the rest of one that has begun to arrive). No plan may read the link for a
+        while (run-ahead off, prefills), and the last stage must never block on it."""
+        if self._took:
+            self._took = False
+            return
+        inbox, generation = self._inbox, self._generation
+        while inbox is not None and inbox.ready():
+            tokens = inbox.receive(timeout_s)
+            if tokens is None:
+                return
+            with self._cond:
+                if generation != self._generation:
+                    return  # re-linked meanwhile: the old link's steps are gone
+                self._keep_locked(tokens)
 
     def break_with(self, reason: str) -> None:
         """The feedback link failed: waiters fail now with `reason`."""
@@ -121,9 +158,13 @@ class FeedbackStore:
     def clear(self) -> None:
         """Forget every step (a new Run stream or a new link)."""
         with self._cond:
-            self._steps.clear()
-            self._newest = -1
-            self._broken = None
+            self._forget()
+
+    def _forget(self) -> None:
+        self._steps.clear()
+        self._newest = -1
+        self._broken = None
+        self._generation += 1
 
     def get(self, step_id: int) -> StepTokens | None:
         with self._cond:
@@ -173,7 +214,9 @@ class FeedbackStore:
         return tuple(map(fed.__getitem__, seq_ids))
 
     def _wait(self, step_id: int, k: int, deadline: float, timeout_s: float) -> StepTokens:
-        """Step k's tokens (the lock held)."""
+        """Step k's tokens (the lock held), reading the feedback link while they are not
+        here."""
+        self._took = True
         while (tokens := self._steps.get(k)) is None:
             where = f"step {step_id}: the tokens sampled at step {k}"
             if self._broken is not None:
@@ -185,7 +228,17 @@ class FeedbackStore:
             if remaining <= 0:
                 raise FeedbackMissingError(f"{where} did not arrive from the last stage "
                                            f"within {timeout_s:g}s")
-            self._cond.wait(remaining)
+            inbox, generation = self._inbox, self._generation
+            if inbox is None:  # not linked yet: `attach` wakes this wait
+                self._cond.wait(remaining)
+                continue
+            self._cond.release()  # the link is read unlocked: `break_with` stays prompt
+            try:
+                received = inbox.receive(remaining)
+            finally:
+                self._cond.acquire()
+            if received is not None and generation == self._generation:
+                self._keep_locked(received)
         return tokens
 
 
@@ -209,34 +262,43 @@ def gather_device_inputs(inputs: torch.Tensor, ahead: Sequence[tuple[int, int, i
 
 
 class FeedbackInbox:
-    """The first stage's end of the feedback link: drains the link into `store`."""
+    """The first stage's end of the feedback link. No thread reads it: the store's taker
+    does (`FeedbackStore.take`, `settle`), on the step thread."""
 
     def __init__(self, store: FeedbackStore) -> None:
         self.store = store
         self._link: Transport | None = None
-        self._lock = threading.Lock()
 
     def attach(self, link: Transport) -> None:
-        """Read `link` from now on (a new epoch's link replaces the old one, whose thread
-        ends when it is closed); the store starts empty."""
-        with self._lock:
-            self._link = link
-            self.store.clear()
-        threading.Thread(target=self._drain, args=(link,), daemon=True,
-                         name="feedback-recv").start()
+        """Read `link` from now on (a new epoch's link replaces the old one, which the
+        links close); the store starts empty."""
+        self._link = link
+        self.store.attach(self)
 
-    def _drain(self, link: Transport) -> None:
-        while True:
-            try:
-                step_id, columns = link.recv_ints(timeout_s=None)
-                tokens = StepTokens.from_message(step_id, columns)
-            except (TransportError, ValueError) as e:
-                with self._lock:
-                    current = link is self._link
-                if current:  # not replaced by a re-link: steps that wait must hear of it
-                    self.store.break_with(f"feedback link failed: {e}")
-                    if not isinstance(e, LinkClosedError):
-                        log.warning("feedback link failed: %s", e)
-                link.close()
-                return
-            self.store.put(tokens)
+    def ready(self) -> bool:
+        """Whether a message has begun to arrive (no wait)."""
+        link = self._link
+        return link is not None and link.readable()
+
+    def receive(self, timeout_s: float) -> StepTokens | None:
+        """The link's next message, waiting up to `timeout_s`; None when none came in time
+        or the link failed (then the store is broken with the reason, so waiting takes
+        fail, and the link is closed)."""
+        link = self._link
+        if link is None:
+            return None
+        try:
+            step_id, columns = link.recv_ints(timeout_s=timeout_s)
+            return StepTokens.from_message(step_id, columns)
+        except TransportTimeout as e:
+            if not e.link_closed:
+                return None
+            error: Exception = e
+        except (TransportError, ValueError) as e:
+            error = e
+        if link is self._link:  # not replaced by a re-link: steps that wait must hear of it
+            self.store.break_with(f"feedback link failed: {error}")
+            if not isinstance(error, LinkClosedError):
+                log.warning("feedback link failed: %s", error)
+        link.close()
+        return None

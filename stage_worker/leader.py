@@ -178,6 +178,8 @@ class StageLeader:
             if self.metrics is not None:
                 self.metrics.sent(*sent)
             outcome = self._outcome(plan.step_id)
+        if rank.is_first and not rank.is_last:  # a step that read no feedback takes it in
+            self.feedback.settle(self.step_timeout_s)
         busy = time.perf_counter() - started - waited
         self.window.add(waited, busy)
         if self.metrics is not None:

@@ -149,6 +149,16 @@ class StreamReader:
                 self._end += self._recv_some(self._staging[self._end :], deadline)
         return self._staging[self._start : self._start + n]
 
+    def readable(self) -> bool:
+        """Whether bytes are buffered or the socket has some (or EOF) to read, without a
+        wait (the receiving thread only, as every read)."""
+        if self._end > self._start:
+            return True
+        sock = self._sock
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        return bool(self._poller.poll(0))
+
     def consume(self, n: int) -> None:
         """Drop ``n`` bytes that `peek` returned."""
         assert n <= self._end - self._start, "consume past the buffered bytes"

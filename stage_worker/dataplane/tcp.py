@@ -253,6 +253,9 @@ class TcpTransport(Transport):
             self._tables[table] = headers
         return headers
 
+    def readable(self) -> bool:
+        return not self._closed and self._reader.readable()
+
     def close(self) -> None:
         with self._close_lock:
             if self._closed:

@@ -184,6 +184,12 @@ class Transport(abc.ABC):
                                     f"{t.dtype}, expected 1-D int64")
         return step_id, [t.tolist() for t in tensors]
 
+    def readable(self) -> bool:
+        """Whether a message has begun to arrive, so a receive now would not wait for one
+        to start (no wait here). A transport that cannot tell without receiving says False;
+        `tcp`, the feedback link's transport, tells."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close the link (idempotent, thread-safe); later calls raise `LinkClosedError`."""
