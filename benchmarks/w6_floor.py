@@ -8,7 +8,9 @@ costs a step, any mesh of this shape pays before it schedules, converts, checks,
 detokenizes anything. The messages are W6's: plans `--plans-per-message` at a time (the
 mesh averages about 4) with `--window` steps in flight, one answer a step, the activation
 hop ([rows, hidden] fp32) and the sampled ids' hop on TCP, one core -> front message a
-step, and a client response every `--stream-interval` tokens of a sequence.
+step, and a client response every `--stream-interval` tokens of a sequence. (The mesh's
+stage 0 now reads the sampled ids on its step thread, with no feedback thread; the skeleton
+keeps that thread, the shape its floor was measured with: docs/BENCHMARKS.md, W6.)
 
 Steps per second and each process's CPU per step over `--window-s` seconds, beside the
 machine's Python speed (`report.python_ns_per_op`). Against W6 (`benchmarks.control_plane`)

@@ -110,7 +110,7 @@ def test_a_killed_serve_takes_every_process_it_started_with_it() -> None:
             for tid in map(int, os.listdir(f"/proc/{pid}/task")):
                 with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
                     policies[tid] = os.sched_getscheduler(tid)
-        assert len(policies) > 2 * len(pids)  # gRPC's, the stages' step and feedback threads
+        assert len(policies) > 2 * len(pids)  # gRPC's threads, the stages' step threads
         assert set(policies.values()) == {os.SCHED_BATCH}
         os.kill(mesh.proc.proc.pid, signal.SIGKILL)
         assert still_alive(pids, 30) == []
