@@ -139,15 +139,24 @@ class FeedbackStore:
         if self._took:
             self._took = False
             return
-        inbox, generation = self._inbox, self._generation
+        inbox = self._inbox
         while inbox is not None and inbox.ready():
-            tokens = inbox.receive(timeout_s)
-            if tokens is None:
+            if not self._take_in(inbox, timeout_s):
                 return
-            with self._cond:
-                if generation != self._generation:
-                    return  # re-linked meanwhile: the old link's steps are gone
-                self._keep_locked(tokens)
+
+    def _take_in(self, inbox: FeedbackInbox, timeout_s: float) -> bool:
+        """The lock not held: the link's next message, waited for up to `timeout_s`, kept;
+        False when none came, the link failed, or a re-link meanwhile voided it (the old
+        link's steps are gone)."""
+        generation = self._generation
+        tokens = inbox.receive(timeout_s)
+        if tokens is None:
+            return False
+        with self._cond:
+            if generation != self._generation:
+                return False
+            self._keep_locked(tokens)
+        return True
 
     def break_with(self, reason: str) -> None:
         """The feedback link failed: waiters fail now with `reason`."""
@@ -228,17 +237,15 @@ class FeedbackStore:
             if remaining <= 0:
                 raise FeedbackMissingError(f"{where} did not arrive from the last stage "
                                            f"within {timeout_s:g}s")
-            inbox, generation = self._inbox, self._generation
+            inbox = self._inbox
             if inbox is None:  # not linked yet: `attach` wakes this wait
                 self._cond.wait(remaining)
                 continue
             self._cond.release()  # the link is read unlocked: `break_with` stays prompt
             try:
-                received = inbox.receive(remaining)
+                self._take_in(inbox, remaining)
             finally:
                 self._cond.acquire()
-            if received is not None and generation == self._generation:
-                self._keep_locked(received)
         return tokens
 
 
