@@ -183,8 +183,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if item is None:
                     return
                 results: list[pb.StepResult] = []
-                ended = closed = False
-                while True:  # this step, then every queued one held for or done
+                ended = False
+                while True:  # this step, then every queued one done or held for
                     step_id, future, hold = item
                     try:
                         outcome = await future
@@ -198,13 +198,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     room.release()
                     if answers:
                         results.append(outcome_to_proto(outcome))
-                    # Past a step whose answer is not held, only steps already done join
-                    # the message: a loop that wakes late never waits on the next group.
-                    closed = closed or not hold
                     if queued.empty():
                         break
                     ahead = queued.get_nowait()
-                    if ahead is None or (closed and not ahead.future.done()):
+                    if ahead is None or not (hold or ahead.future.done()):
                         ended = ahead is None
                         break
                     item, ahead = ahead, None

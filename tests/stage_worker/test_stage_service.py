@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -20,10 +18,7 @@ from protos.stagemesh.stage.v1 import stage_pb2 as pb
 from router.pipeline.convert import cached_batch_to_proto
 from router.scheduler import CachedSeq
 from stage_worker.config import StageConfig
-from stage_worker.leader import StageLeader
-from stage_worker.main import stage_servicer
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
-from stage_worker.parallel import TPGroup
 from tests.stage_worker.stage_service_harness import (
     BLOCK,
     BLOCKS,
@@ -37,7 +32,6 @@ from tests.stage_worker.stage_service_harness import (
     sampled,
     service_checkpoint,
     serving,
-    serving_servicer,
 )
 
 
@@ -177,54 +171,6 @@ def test_held_answers_go_out_with_a_later_steps_failure(checkpoint: Path) -> Non
     assert [sampled(r) for r in results[:2]] == [[(7, 7)], [(7, 8)]]
     assert results[2].step_id == 2 and "sequence 99 is not held" in results[2].error
     assert len(results) == 3
-
-
-def test_a_late_loop_answers_what_is_done_without_waiting_for_the_next_group(
-        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Answers grouped by `hold_answer` ([0 1] [2 3 4] here), the event loop busy until the
-    worker has finished step 2 and while it is stuck in step 3: the first message carries
-    steps 0-2, what is done past step 1 (whose answer is not held), and goes out at once
-    instead of waiting on step 3 to close the next group (a late loop used to merge groups
-    until the router's whole run-ahead window had drained); the rest follows step 3."""
-    monkeypatch.setattr(StageLeader, "overlaps", property(lambda self: False))  # one per call
-    cfg = StageConfig(checkpoint, model_impl="null", max_num_batched_tokens=4096)
-    servicer = stage_servicer(cfg, TPGroup())
-    step2_done, release = threading.Event(), threading.Event()
-    original = servicer._step_or_skip
-
-    def step_or_skip(run: Any, plan: Any, deliver: Any, fail: Any) -> None:
-        loop = run.settler._loop
-        if plan.step_id == 1:  # the loop blocks, before step 1's outcome wakes it, until step
-            loop.call_soon_threadsafe(step2_done.wait, 10)  # 2's is put without a wake-up
-        if plan.step_id == 3:
-            release.wait(10)
-        original(run, plan, deliver, fail)
-        if plan.step_id == 2:
-            step2_done.set()
-
-    servicer._step_or_skip = step_or_skip  # type: ignore[method-assign]
-    plans = [prefill([7], [[1, 2, 3]], [[0, 1]])]
-    plans += [decodes(step, [(7, 2 + step, 7 + step - 1)]) for step in range(1, 5)]
-    for plan, hold in zip(plans, [True, False, True, True, False], strict=True):
-        plan.hold_answer = hold
-
-    async def body() -> list[list[int]]:
-        async with serving_servicer(servicer) as stub:
-            call = stub.Run()
-            await call.write(pb.StepPlans(plans=plans))
-            try:
-                first = await asyncio.wait_for(call.read(), 5)
-            finally:
-                release.set()
-            await call.done_writing()
-            messages = [first]
-            while (msg := await call.read()) is not grpc.aio.EOF:
-                messages.append(msg)
-            return [[r.step_id for r in m.results] for m in messages]
-
-    messages = asyncio.run(asyncio.wait_for(body(), 30))
-    assert messages[0] == [0, 1, 2]
-    assert [step for m in messages for step in m] == [0, 1, 2, 3, 4]
 
 
 def test_null_runner_samples_seq_id_plus_output_index(checkpoint: Path) -> None:
