@@ -39,7 +39,7 @@ from collections import deque
 from itertools import compress, islice, repeat
 from operator import add, attrgetter, getitem, is_, itemgetter, mul, sub
 
-from stage_worker.held_seqs import HeldSeq, HeldSeqs, StepInputs
+from stage_worker.held_seqs import HeldSeq, HeldSeqs, LaneAhead, StepInputs
 from stage_worker.plan import StagePlan, SteadyBatch
 from stage_worker.step_input import SeqChunk
 
@@ -136,9 +136,10 @@ class Lanes:
     def apply(self, lane: Lane, plan: StagePlan, deferred: bool) -> StepInputs:
         """Apply `plan`, which `match` found to continue `lane`, as `HeldSeqs.apply` would:
         blocks join their tables; each history gets its input (appended in the plan; or
-        run-ahead: on the first stage, `deferred`, a placeholder that `fill_inputs` fills,
-        on the last the token it sampled at the lane's step); the step's chunks (and, where
-        inputs are built, its inputs and run-ahead rows) come back."""
+        run-ahead: on the first stage, `deferred`, a placeholder that the step's late fill
+        writes, named by the inputs' `lane_ahead`; on the last the token it sampled at the
+        lane's step); the step's chunks (and, where inputs are built, its inputs and
+        run-ahead rows) come back."""
         batch = plan.cached_seqs
         assert isinstance(batch, SteadyBatch), "match() continues steady batches only"
         held, n, k = self.held, len(lane.states), lane.step_id
@@ -159,14 +160,15 @@ class Lanes:
             if batch.appended is not None:
                 tokens = list(batch.appended)
             elif deferred:
-                held.hold_places(zip(lane.seq_ids, map(len, lane.tokens), strict=True))
                 tokens = [0] * n
             else:
                 tokens = list(map(_LAST, map(_OUTPUTS, lane.states)))
             deque(map(list.append, lane.tokens, tokens), maxlen=0)
             if held.builds_inputs:
                 inputs.input_ids = list(map(getitem, lane.tokens, lane.positions))
-                if ahead:
+                if ahead and deferred:  # each input is the placeholder just appended
+                    inputs.lane_ahead = LaneAhead(lane.seq_ids, k, lane.tokens)
+                elif ahead:
                     inputs.ahead = list(zip(range(n), lane.seq_ids, repeat(k, n), strict=True))
         lane.advance(plan.step_id)
         return inputs

@@ -8,12 +8,14 @@ then sends the output downstream or samples (`StageRank.sample`).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 
 import torch
 
 from stage_worker.feedback import FeedbackStore, gather_device_inputs
-from stage_worker.held_seqs import HeldSeqs
+from stage_worker.held_seqs import HeldSeqs, LaneAhead
 from stage_worker.host_transfer import copy_into, host_tensor, upload
 from stage_worker.lanes import Lane, Lanes
 from stage_worker.model_runner import InputFill, ModelRunner
@@ -107,13 +109,18 @@ class StageRank:
             self.runner.copy_blocks(plan.block_copies)
         if not step.chunks:
             return step.chunks, None
-        if self.is_first:
+        fill: InputFill | None = None
+        if step.lane_ahead is not None:  # every row is written by the late fill
+            assert late is not None, "a lane's run-ahead step takes its tokens late"
+            inputs = torch.empty(len(step.input_ids), dtype=torch.int64,
+                                 device=self.shape.device)
+            fill = _lane_fill(step.lane_ahead, late)
+        elif self.is_first:
             inputs = upload(host_tensor(step.input_ids), self.shape.device)
             if on_device is not None and step.ahead:
                 gather_device_inputs(inputs, step.ahead, on_device)
         else:
             inputs = self._share_activations(plan.num_tokens, upstream)
-        fill: InputFill | None = None
         if late is not None and step.ahead:
             ahead = step.ahead
 
@@ -166,3 +173,16 @@ class StageRank:
         self._continued = None
         self.lanes.clear()
         return self.held.clear()
+
+
+def _lane_fill(ahead: LaneAhead, late: LateInputs) -> InputFill:
+    """The late fill of a lane's run-ahead step (`StepInputs.lane_ahead`): its tokens into
+    every row of the step's input ids [S] and over each history's placeholder."""
+    seq_ids, histories = ahead.seq_ids, ahead.histories
+    steps = (ahead.step_id,) * len(seq_ids)
+
+    def fill(ids: torch.Tensor) -> None:
+        tokens = late(seq_ids, steps)
+        copy_into(ids, host_tensor(tokens))
+        deque(map(list.__setitem__, histories, repeat(-1), tokens), maxlen=0)
+    return fill

@@ -147,3 +147,32 @@ def test_a_last_stage_keeps_tokens_but_builds_no_inputs() -> None:
     assert step.input_ids == [] and step.ahead == []
     assert held.seqs[1].token_ids == [*PROMPT, 40] and held.seqs[1].block_table == [0, 1, 2]
     assert step.chunks[0] == (1, 6, 1, [0, 1, 2], True, 0)
+
+
+def test_sampled_tokens_are_recorded_alike_in_columns_and_one_by_one() -> None:
+    """`record_sampled` in columns (every sequence held, no placeholder) and a sequence at a
+    time (one freed since the step, or a placeholder waiting) leave the same state; a step
+    whose ids and tokens differ in number is refused either way."""
+    def held_with(*seq_ids: int) -> HeldSeqs:
+        held = HeldSeqs(keep_tokens=True)
+        held.apply(_plan(*(_new(s, blocks=(2 * s, 2 * s + 1)) for s in seq_ids)))
+        return held
+
+    def state(held: HeldSeqs) -> dict[int, tuple[object, ...]]:
+        return {s: (h.output_ids, h.num_outputs, h.last_sample_step, h.token_ids)
+                for s, h in held.seqs.items()}
+
+    columns, one_by_one = held_with(1, 2, 3), held_with(1, 2, 3, 9)
+    one_by_one.free(9)  # a sequence freed since the step: skipped, and the rest one by one
+    columns.record_sampled(4, [1, 2, 3], [40, 41, 42])
+    one_by_one.record_sampled(4, [1, 9, 2, 3], [40, 99, 41, 42])
+    assert state(columns) == state(one_by_one)
+    assert state(columns)[2] == ([41], 1, 4, list(PROMPT))
+
+    waiting = held_with(1, 2)  # a run-ahead placeholder of sequence 1 (one-stage pipeline)
+    waiting.apply(StagePlan(5, (), (StageCachedSeq(1, (), 6, 1, (), True, 4),), ()),
+                  deferred=True)
+    waiting.record_sampled(4, [1, 2], [40, 41])
+    assert waiting.seqs[1].token_ids == [*PROMPT, 40] and waiting.seqs[2].output_ids == [41]
+    with pytest.raises(ValueError):
+        columns.record_sampled(6, [1, 2], [50])
