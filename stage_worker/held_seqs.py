@@ -7,11 +7,9 @@ outputs) keep token ids; a middle stage keeps block tables and counts only.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import add, attrgetter
 from typing import Any, NamedTuple
 
 from foundation.sampling_params import SamplingParams
@@ -19,7 +17,6 @@ from stage_worker.plan import StageCachedSeq, StagePlan
 from stage_worker.step_input import SeqChunk
 
 _new_tuple = tuple.__new__  # a SeqChunk from a tuple, without the NamedTuple's Python __new__
-_OUTPUTS, _NUM_OUTPUTS = attrgetter("output_ids"), attrgetter("num_outputs")
 
 
 @dataclass(slots=True)
@@ -182,28 +179,15 @@ class HeldSeqs:
         and seeded draws read them; a run-ahead input names the step). Sequences freed
         since (a later plan applied before this step was resolved) are skipped."""
         seqs, unfilled = self.seqs, self._unfilled
-        states = list(map(seqs.get, seq_ids))
-        if len(states) != len(token_ids) or unfilled or not all(states):
-            self._record_one_by_one(step_id, states, token_ids)
-            return
-        # Every sequence still held, no placeholder to fill (the usual step): in columns.
-        deque(map(list.append, map(_OUTPUTS, states), token_ids), maxlen=0)
-        deque(map(setattr, states, repeat("num_outputs"),
-                  map(add, map(_NUM_OUTPUTS, states), repeat(1))), maxlen=0)
-        deque(map(setattr, states, repeat("last_sample_step"), repeat(step_id)), maxlen=0)
-
-    def _record_one_by_one(self, step_id: int, states: list[HeldSeq | None],
-                           token_ids: Sequence[int]) -> None:
-        """`record_sampled` a sequence at a time: some were freed, or a placeholder waits."""
-        unfilled = self._unfilled
-        for state, token_id in zip(states, token_ids, strict=True):
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+            state = seqs.get(seq_id)
             if state is None:
                 continue
             state.output_ids.append(token_id)
             state.num_outputs += 1
             state.last_sample_step = step_id
             if unfilled:
-                index = unfilled.pop(state.seq_id, None)
+                index = unfilled.pop(seq_id, None)
                 if index is not None:
                     state.token_ids[index] = token_id
 
@@ -225,8 +209,9 @@ class HeldSeqs:
     def note_sampling(self, step_id: int, seq_ids: Sequence[int]) -> None:
         """`step_id` is sampling `seq_ids` on the device: a plan may name it as their
         run-ahead step before `record_sampled` brings the tokens."""
-        deque(map(setattr, map(self.seqs.__getitem__, seq_ids), repeat("last_sample_step"),
-                  repeat(step_id)), maxlen=0)
+        seqs = self.seqs
+        for seq_id in seq_ids:
+            seqs[seq_id].last_sample_step = step_id
 
     def free(self, seq_id: int) -> None:
         """Forget a sequence (unknown ids are ignored: frees are idempotent)."""

@@ -149,10 +149,10 @@ def test_a_last_stage_keeps_tokens_but_builds_no_inputs() -> None:
     assert step.chunks[0] == (1, 6, 1, [0, 1, 2], True, 0)
 
 
-def test_sampled_tokens_are_recorded_alike_in_columns_and_one_by_one() -> None:
-    """`record_sampled` in columns (every sequence held, no placeholder) and a sequence at a
-    time (one freed since the step, or a placeholder waiting) leave the same state; a step
-    whose ids and tokens differ in number is refused either way."""
+def test_sampled_tokens_skip_a_freed_sequence_and_fill_a_waiting_placeholder() -> None:
+    """`record_sampled` of a step one of whose sequences was freed since leaves the others
+    as a step without it does; a placeholder waiting for the step gets its token; a step
+    whose ids and tokens differ in number is refused."""
     def held_with(*seq_ids: int) -> HeldSeqs:
         held = HeldSeqs(keep_tokens=True)
         held.apply(_plan(*(_new(s, blocks=(2 * s, 2 * s + 1)) for s in seq_ids)))
