@@ -1,6 +1,7 @@
 """Two stages on one GPU linked over CUDA IPC, as real processes (`stagemesh serve`): the
-same greedy tokens as over TCP, the hop reported by GetStats and GetModelInfo, and a stage
-SIGKILLed mid-run brought back with its IPC link rebuilt, no request lost.
+same greedy tokens as over TCP (and over TCP with run-ahead off), the hop reported by
+GetStats and GetModelInfo, and a stage SIGKILLed mid-run brought back with its IPC link
+rebuilt, no request lost.
 
 GPU only. The model is the directory in $STAGEMESH_GPU_MODEL (a checkpoint with its
 tokenizer, e.g. `python -m benchmarks.make_random_model --shape smollm2-135m ...`)."""
@@ -36,9 +37,9 @@ def model() -> Path:
     return Path(path)
 
 
-def _mesh(model: Path, transport: str) -> Mesh:
+def _mesh(model: Path, transport: str, *extra: str) -> Mesh:
     return Mesh("--model", str(model), "--device", "cuda", "--stages", "2",
-                "--transport", transport, "--num-blocks", "2048", timeout=600)
+                "--transport", transport, "--num-blocks", "2048", *extra, timeout=600)
 
 
 async def _greedy_one_at_a_time(address: str) -> list[list[int]]:
@@ -70,6 +71,15 @@ def test_greedy_tokens_over_cuda_ipc_equal_tcp(ipc_mesh: Mesh,
     info = ipc_mesh.stub().GetModelInfo(pb.GetModelInfoRequest())
     assert list(info.hop_transports) == ["cuda_ipc"]
     assert info.micro_batches == 1  # the two stages share the GPU: one step in flight
+
+
+def test_greedy_tokens_with_run_ahead_equal_those_without(model: Path,
+                                                         tcp_tokens: list[list[int]]) -> None:
+    """With run-ahead (the default) stage 0 takes each decode's input late, on the GPU: a
+    lane's step allocates its token ids on the device and the fill writes every row. The
+    same greedy tokens as a mesh whose plans carry every input (`--no-run-ahead`)."""
+    with _mesh(model, "tcp", "--no-run-ahead") as mesh:
+        assert asyncio.run(_greedy_one_at_a_time(mesh.address)) == tcp_tokens
 
 
 def test_a_killed_stage_comes_back_over_cuda_ipc_and_no_request_is_lost(
