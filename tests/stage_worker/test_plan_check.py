@@ -162,12 +162,12 @@ def test_sampled_tokens_skip_a_freed_sequence_and_fill_a_waiting_placeholder() -
         return {s: (h.output_ids, h.num_outputs, h.last_sample_step, h.token_ids)
                 for s, h in held.seqs.items()}
 
-    columns, one_by_one = held_with(1, 2, 3), held_with(1, 2, 3, 9)
-    one_by_one.free(9)  # a sequence freed since the step: skipped, and the rest one by one
-    columns.record_sampled(4, [1, 2, 3], [40, 41, 42])
-    one_by_one.record_sampled(4, [1, 9, 2, 3], [40, 99, 41, 42])
-    assert state(columns) == state(one_by_one)
-    assert state(columns)[2] == ([41], 1, 4, list(PROMPT))
+    held, with_freed = held_with(1, 2, 3), held_with(1, 2, 3, 9)
+    with_freed.free(9)  # a sequence freed since the step: its token is skipped
+    held.record_sampled(4, [1, 2, 3], [40, 41, 42])
+    with_freed.record_sampled(4, [1, 9, 2, 3], [40, 99, 41, 42])
+    assert state(held) == state(with_freed)
+    assert state(held)[2] == ([41], 1, 4, list(PROMPT))
 
     waiting = held_with(1, 2)  # a run-ahead placeholder of sequence 1 (one-stage pipeline)
     waiting.apply(StagePlan(5, (), (StageCachedSeq(1, (), 6, 1, (), True, 4),), ()),
@@ -175,4 +175,4 @@ def test_sampled_tokens_skip_a_freed_sequence_and_fill_a_waiting_placeholder() -
     waiting.record_sampled(4, [1, 2], [40, 41])
     assert waiting.seqs[1].token_ids == [*PROMPT, 40] and waiting.seqs[2].output_ids == [41]
     with pytest.raises(ValueError):
-        columns.record_sampled(6, [1, 2], [50])
+        held.record_sampled(6, [1, 2], [50])
