@@ -139,16 +139,15 @@ class FeedbackStore:
         if self._took:
             self._took = False
             return
-        inbox = self._inbox
+        inbox, generation = self._inbox, self._generation
         while inbox is not None and inbox.ready():
-            if not self._take_in(inbox, timeout_s):
+            if not self._take_in(inbox, generation, timeout_s):
                 return
 
-    def _take_in(self, inbox: FeedbackInbox, timeout_s: float) -> bool:
-        """The lock not held: the link's next message, waited for up to `timeout_s`, kept;
-        False when none came, the link failed, or a re-link meanwhile voided it (the old
-        link's steps are gone)."""
-        generation = self._generation
+    def _take_in(self, inbox: FeedbackInbox, generation: int, timeout_s: float) -> bool:
+        """The lock not held: `inbox`'s next message, waited for up to `timeout_s`, kept;
+        False when none came, the link failed, or a re-link since `generation` (read with
+        `inbox`) voided it (the old link's steps are gone)."""
         tokens = inbox.receive(timeout_s)
         if tokens is None:
             return False
@@ -237,13 +236,13 @@ class FeedbackStore:
             if remaining <= 0:
                 raise FeedbackMissingError(f"{where} did not arrive from the last stage "
                                            f"within {timeout_s:g}s")
-            inbox = self._inbox
+            inbox, generation = self._inbox, self._generation  # one link's, read locked
             if inbox is None:  # not linked yet: `attach` wakes this wait
                 self._cond.wait(remaining)
                 continue
             self._cond.release()  # the link is read unlocked: `break_with` stays prompt
             try:
-                self._take_in(inbox, remaining)
+                self._take_in(inbox, generation, remaining)
             finally:
                 self._cond.acquire()
         return tokens
