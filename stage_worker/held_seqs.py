@@ -8,7 +8,7 @@ outputs) keep token ids; a middle stage keeps block tables and counts only.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -200,11 +200,6 @@ class HeldSeqs:
             index = unfilled.pop(seq_id, None)
             if index is not None:
                 seqs[seq_id].token_ids[index] = token_id
-
-    def hold_places(self, places: Iterable[tuple[int, int]]) -> None:
-        """(seq_id, index in its history) of run-ahead inputs just appended as placeholders
-        (as `apply(..., deferred=True)` does), for `record_sampled` or `fill_inputs`."""
-        self._unfilled.update(places)
 
     def note_sampling(self, step_id: int, seq_ids: Sequence[int]) -> None:
         """`step_id` is sampling `seq_ids` on the device: a plan may name it as their

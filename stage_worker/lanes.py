@@ -164,11 +164,12 @@ class Lanes:
             else:
                 tokens = list(map(_LAST, map(_OUTPUTS, lane.states)))
             deque(map(list.append, lane.tokens, tokens), maxlen=0)
-            if held.builds_inputs:
+            if held.builds_inputs and ahead and deferred:  # each input: the placeholder
+                inputs.input_ids = tokens  # just appended, which the late fill writes
+                inputs.lane_ahead = LaneAhead(lane.seq_ids, k, lane.tokens)
+            elif held.builds_inputs:
                 inputs.input_ids = list(map(getitem, lane.tokens, lane.positions))
-                if ahead and deferred:  # each input is the placeholder just appended
-                    inputs.lane_ahead = LaneAhead(lane.seq_ids, k, lane.tokens)
-                elif ahead:
+                if ahead:
                     inputs.ahead = list(zip(range(n), lane.seq_ids, repeat(k, n), strict=True))
         lane.advance(plan.step_id)
         return inputs

@@ -84,7 +84,6 @@ if (
         wrap(H.HeldSeqs, "record_sampled", " record_sampled")
         wrap(H.HeldSeqs, "note_sampling", " note_sampling")
         wrap(H.HeldSeqs, "fill_inputs", "  fill_inputs")
-        wrap(H.HeldSeqs, "hold_places", "  hold_places")
         wrap(SS.StepSample, "resolve", " sample.resolve")
         wrap(L.StageLeader, "_late_inputs", "late_inputs (closure)")
         import gc
