@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from foundation.gc_heap import freeze_startup_heap
 from foundation.tls import ListenError
 from foundation.tokenizer import ModelTokenizer
 from foundation.tracing import setup_tracing
@@ -56,7 +55,6 @@ async def run_front(cfg: FrontConfig, report: TextIO) -> int:
             return 1  # the core could not start; the router says why
         if served.done():
             server.update_readiness()
-            freeze_startup_heap(f"front {cfg.front_id}")
             _say(report, READY_LINE)
         await stop.wait()
         log.info("front %d draining", cfg.front_id)

@@ -25,7 +25,6 @@ import tempfile
 from typing import Any
 
 from foundation.aio import unless_set
-from foundation.gc_heap import freeze_startup_heap
 from foundation.metrics import (
     MetricsServer,
     multiprocess_registry,
@@ -233,7 +232,6 @@ async def serve_router(cfg: RouterConfig, ready_file: str | None = None) -> int:
     if address is None:  # a signal while the stages are awaited: `start` stopped its parts
         log.info("stopping before the pipeline came up")
         return 0
-    freeze_startup_heap("router")
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             f.write(address)

@@ -16,7 +16,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from foundation.api_keys import ApiKeys
-from foundation.gc_heap import freeze_startup_heap
 from foundation.grpc_auth import BearerInterceptor
 from foundation.metrics import serve_metrics
 from foundation.ports import free_port
@@ -163,7 +162,6 @@ async def serve_stage(cfg: StageConfig, ready_file: Path | None = None,
                  identity.layer_start, identity.layer_end - 1, identity.model_impl,
                  identity.num_kv_blocks, identity.max_num_batched_tokens,
                  identity.max_num_seqs, address)
-    freeze_startup_heap(f"stage {cfg.stage_index}")
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(address)

@@ -14,7 +14,6 @@ import os
 import sys
 import time
 
-from foundation.gc_heap import freeze_startup_heap
 from kernels.platform import distributed_backend
 from stage_worker import tp_fanout
 from stage_worker.build import build_stage_rank, rank_device
@@ -49,9 +48,7 @@ def main(argv: list[str]) -> int:
     leader = os.getppid()
     try:
         tp = init_tp_group(index, cfg.tp_size, init_url, backend)
-        rank = build_stage_rank(cfg, tp)
-        freeze_startup_heap(f"stage {cfg.stage_index} tp rank {index}")
-        follow(rank)
+        follow(build_stage_rank(cfg, tp))
     except RuntimeError as e:  # the group broke: a collective's peer closed or timed out
         if not _gone(leader):
             raise  # the leader lives: the traceback says where the group broke

@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 from foundation.aio import unless_set
-from foundation.gc_heap import freeze_startup_heap
 from foundation.metrics import use_multiprocess_dir
 from foundation.model_config import ModelConfig
 from foundation.tracing import setup_tracing
@@ -69,7 +68,6 @@ async def run_core(cfg: CoreConfig, watch_parent: bool = False) -> int:
             with contextlib.suppress(TimeoutError):  # until the router says Shutdown
                 await asyncio.wait_for(core.stopped.wait(), START_ERROR_LINGER_S)
             return 1
-        freeze_startup_heap("engine core")
         await core.serve()
         return 0
     finally:
