@@ -20,6 +20,12 @@ has run since it was defined), although serve's own default on one machine's cor
 between them: W6 measures the pipeline's control plane with every stage busy. Give 0 for
 serve's default.
 
+The client, this process, shares the machine's cores with the mesh. It runs gRPC's own
+defaults, as W6 always has (`--client-grpc default`), or, with `--client-grpc mesh`, the
+gRPC core setting every mesh process runs (`foundation.grpc_core`), which costs a streamed
+response less CPU and fewer wake-ups: then less of the step's CPU is the client's. The JSON
+records which.
+
     python -m benchmarks.control_plane --stages 1,2 --out benchmarks/results/w6.json
 """
 
@@ -31,8 +37,9 @@ import datetime as dt
 import functools
 import os
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,7 @@ from benchmarks.report import (
     wakeups,
     write_json,
 )
+from foundation.grpc_core import EXPERIMENTS_ENV, apply_defaults
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
@@ -151,6 +159,19 @@ def cpu_over(cpu_us: dict[str, int], part: str) -> dict[str, float]:
     return {other: round(us / base, 3) for other, us in cpu_us.items() if other != part}
 
 
+def client_restart_env(choice: str, environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment to restart this process in so that its client runs `--client-grpc`
+    `choice`, or None when it does already: gRPC core reads its setting once, when it
+    starts, and it started when this module imported the client. "mesh" sets what every
+    mesh process sets (`foundation.grpc_core`); a value in the environment already, even an
+    empty one, is left as it is (as the mesh's processes leave it)."""
+    if choice != "mesh" or EXPERIMENTS_ENV in environ:
+        return None
+    env = dict(environ)
+    apply_defaults(env)
+    return env
+
+
 def micro_batches(asked: int, stages: int) -> int:
     """serve's --micro-batches for a mesh of `stages`: -1 one per stage, else `asked` (0:
     serve's default) but never more than the stages."""
@@ -177,14 +198,23 @@ def main() -> None:
                          "until one ends, so at 1 stage they are not sent)")
     ap.add_argument("--no-metrics", action="store_true",
                     help="serve without the router's and stages' Prometheus endpoints")
+    ap.add_argument("--client-grpc", choices=("default", "mesh"), default="default",
+                    help="gRPC core's setting in this process, the client: gRPC's own "
+                         "defaults (as W6 has run since it was defined), or the one every mesh "
+                         "process runs (`foundation.grpc_core`; this process restarts with it)")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/w6-{dt.date.today()}.json"))
     args = ap.parse_args()
+    if (env := client_restart_env(args.client_grpc, os.environ)) is not None:
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.control_plane",
+                                   *sys.argv[1:]], env)
     config: dict[str, Any] = {"workload": "W6", "model": f"{args.model} (config only)",
                               "compute": "null model (no model work)", "transport": "tcp",
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
                               "metrics": not args.no_metrics, "extra": args.extra,
                               "micro_batches": args.micro_batches,
+                              "client_grpc": args.client_grpc,
+                              "client_grpc_experiments": os.environ.get(EXPERIMENTS_ENV),
                               "revision": git_revision(),
                               "python_ns_per_op_before": round(python_ns_per_op(), 1)}
     print(config)

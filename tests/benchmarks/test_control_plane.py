@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.control_plane import cpu_over
+from benchmarks.control_plane import client_restart_env, cpu_over
+from foundation.grpc_core import EXPERIMENTS_ENV, LEGACY_IO
 
 
 def test_each_part_over_the_engine_core() -> None:
@@ -13,3 +14,11 @@ def test_each_part_over_the_engine_core() -> None:
 def test_no_ratio_without_the_part() -> None:
     assert cpu_over({"stage 0": 300}, "engine core") == {}
     assert cpu_over({"engine core": 0, "stage 0": 300}, "engine core") == {}
+
+
+def test_the_client_restarts_on_the_mesh_grpc_setting_only_when_asked_and_unset() -> None:
+    env = client_restart_env("mesh", {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", EXPERIMENTS_ENV: LEGACY_IO}
+    assert client_restart_env("mesh", {EXPERIMENTS_ENV: ""}) is None  # the operator's value
+    assert client_restart_env("mesh", {EXPERIMENTS_ENV: LEGACY_IO}) is None  # restarted
+    assert client_restart_env("default", {}) is None
