@@ -141,6 +141,7 @@ class FrontServer:
         if self.cfg.front_id == 0:  # the first to bind: the port must be free, not shared
             refuse_if_taken(self.cfg.host, self.cfg.port)
         port = add_port(self.server, self.cfg.host, self.cfg.port, self.cfg.tls)
+        self.front.corks.local_port = port
         await self.server.start()
         self._tasks = [
             asyncio.create_task(self.front.run(), name=f"front-{self.cfg.front_id}"),

@@ -51,6 +51,7 @@ from router.core.messages import (
     duplicate_request_message,
     next_logprob,
 )
+from router.corks import ConnectionCorks
 from router.errors import DuplicateRequestError
 from router.metrics import FrontMetrics
 from router.outputs import (
@@ -109,6 +110,9 @@ class Frontend:
         self._stats: dict[int, asyncio.Future[CoreStats]] = {}
         self._aborts: dict[int, asyncio.Future[bool]] = {}
         self._reply_ids = itertools.count()
+        # The client connections of several live streams, corked while a message's updates
+        # are written (the servicer counts each stream's peer in it).
+        self.corks = ConnectionCorks()
 
     # --- requests --------------------------------------------------------------------------
 
@@ -205,7 +209,11 @@ class Frontend:
 
     def handle(self, msg: CoreMessage) -> None:
         if isinstance(msg, StepOutputs):
-            self._on_outputs(msg)
+            self.corks.cork()  # the updates due go out together (see `router.corks`)
+            try:
+                self._on_outputs(msg)
+            finally:
+                self.corks.burst_written()
             if self.metrics is not None:
                 self.metrics.publish_itls_due()
         elif isinstance(msg, Refused):

@@ -150,36 +150,37 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if audit.content:
                 record.prompt = self.tokenizer.decode(req.prompt_token_ids,
                                                       skip_special_tokens=False)
-            first_response = True
-            prompt_scores: PromptLogprobs | None = None  # for the first response
-            async for items in self._stream(req, served, span):
-                for item in items:
-                    if isinstance(item, PromptLogprobs):
-                        prompt_scores = item
-                    elif isinstance(item, ChoiceDelta):
-                        if first_token and item.token_ids and span is not None:
-                            first_token = False
-                            _first_token(span, record.started)
-                        response = delta_to_proto(request_id, item)
-                        if first_response:
-                            first_response = False
-                            response.prompt_tokens = len(req.prompt_token_ids)
-                            if req.sampling.prompt_logprobs is not None:
-                                response.prompt_token_ids.extend(req.prompt_token_ids)
-                            if prompt_scores is not None:
-                                response.prompt_logprobs.extend(
-                                    logprobs_to_proto(prompt_scores.entries))
-                        await write(response)
-                        if item.finish_reason is not None:
-                            record.finish_reasons[item.index] = item.finish_reason.value
-                        if audit.content:
-                            record.output[item.index] = (record.output.get(item.index, "")
-                                                         + item.text)
-                    elif isinstance(item, RequestDone):
-                        await write(usage_to_proto(request_id, item.usage, item.timing))
-                        record.completion_tokens = item.usage.completion_tokens
-                    elif isinstance(item, RequestFailed):
-                        raise failure_error(item)
+            with self.front.corks.stream(record.client):  # see `router.corks`
+                first_response = True
+                prompt_scores: PromptLogprobs | None = None  # for the first response
+                async for items in self._stream(req, served, span):
+                    for item in items:
+                        if isinstance(item, PromptLogprobs):
+                            prompt_scores = item
+                        elif isinstance(item, ChoiceDelta):
+                            if first_token and item.token_ids and span is not None:
+                                first_token = False
+                                _first_token(span, record.started)
+                            response = delta_to_proto(request_id, item)
+                            if first_response:
+                                first_response = False
+                                response.prompt_tokens = len(req.prompt_token_ids)
+                                if req.sampling.prompt_logprobs is not None:
+                                    response.prompt_token_ids.extend(req.prompt_token_ids)
+                                if prompt_scores is not None:
+                                    response.prompt_logprobs.extend(
+                                        logprobs_to_proto(prompt_scores.entries))
+                            await write(response)
+                            if item.finish_reason is not None:
+                                record.finish_reasons[item.index] = item.finish_reason.value
+                            if audit.content:
+                                record.output[item.index] = (record.output.get(item.index, "")
+                                                             + item.text)
+                        elif isinstance(item, RequestDone):
+                            await write(usage_to_proto(request_id, item.usage, item.timing))
+                            record.completion_tokens = item.usage.completion_tokens
+                        elif isinstance(item, RequestFailed):
+                            raise failure_error(item)
         except grpc.aio.AbortError:
             record.status = _code_name(context)
             raise
