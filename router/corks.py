@@ -16,8 +16,9 @@ for and never delayed.
 
 How a connection is found: gRPC does not expose its sockets. A stream gives its peer's
 address (`context.peer()`); the first time a peer has two live streams, this process's
-descriptors (`/proc/self/fd`) are searched for the TCP socket connected to that address on
-the front's port, and a duplicate of it is kept while the peer has live streams. The
+descriptors (`/proc/self/fd`) are searched, on a worker thread, for the TCP socket connected
+to that address on the front's port, and a duplicate of it is kept while the peer has live
+streams. The
 duplicate is closed when the peer's last stream ends: holding it longer would keep the
 connection open after gRPC closed it. Where TCP_CORK or `/proc` is missing, or no socket
 matches (a Unix-domain peer), nothing is corked.
@@ -132,10 +133,7 @@ class ConnectionCorks:
             entry.looked = True
             address = peer_address(peer)
             if address is not None:
-                entry.sock = find_connection(address, self.local_port)
-                if entry.sock is None:
-                    log.debug("no TCP socket found for peer %s: its streams stay uncorked",
-                              peer)
+                self._look_up(peer, entry, address)
         try:
             yield
         finally:
@@ -147,6 +145,21 @@ class ConnectionCorks:
                         self._set(entry.sock, 0)
                         self._corked.remove(entry.sock)
                     entry.sock.close()
+
+    def _look_up(self, peer: str, entry: _Peer, address: Address) -> None:
+        """Find the peer's socket on a worker thread (the search reads every descriptor of
+        the process: milliseconds for hundreds of connections, which the event loop does not
+        wait for); its streams are corked from the next burst on, if any is still live."""
+        def found(future: asyncio.Future[socket.socket | None]) -> None:
+            sock = None if future.cancelled() or future.exception() else future.result()
+            if sock is None:
+                log.debug("no TCP socket found for peer %s: its streams stay uncorked", peer)
+            elif self._peers.get(peer) is not entry:  # its streams ended meanwhile
+                sock.close()
+            else:
+                entry.sock = sock
+        asyncio.get_running_loop().run_in_executor(
+            None, find_connection, address, self.local_port).add_done_callback(found)
 
     def cork(self) -> None:
         """Cork every connection of two or more live streams until `burst_written`'s uncork

@@ -56,6 +56,16 @@ def _corked(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK)
 
 
+async def _found(corks: ConnectionCorks, peer: str) -> None:
+    """Until the look-up (on a worker thread) has found the peer's socket."""
+    for _ in range(1000):
+        entry = corks._peers.get(peer)
+        if entry is not None and entry.sock is not None:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"no socket found for {peer}")
+
+
 async def _passes(n: int) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
@@ -74,6 +84,7 @@ def test_a_connection_of_two_streams_is_corked_for_one_pass(
             assert _corked(server) == 0
             corks.burst_written()
             with corks.stream(peer):
+                await _found(corks, peer)
                 corks.cork()
                 assert _corked(server) == 1
                 # the burst's handlers were woken before the uncork was queued
@@ -99,6 +110,7 @@ def test_a_burst_noted_before_the_uncork_runs_is_written_corked(
         loop = asyncio.get_running_loop()
         seen: list[int] = []
         with corks.stream(peer), corks.stream(peer):
+            await _found(corks, peer)
             for _ in range(2):
                 corks.cork()
                 loop.call_soon(lambda: seen.append(_corked(server)))
@@ -119,6 +131,7 @@ def test_the_duplicate_goes_with_the_last_stream(
         corks = ConnectionCorks()
         corks.local_port = port
         with corks.stream(peer), corks.stream(peer):
+            await _found(corks, peer)
             corks.cork()
             assert _corked(server) == 1
         assert _corked(server) == 0  # uncorked with the last stream, before its close
@@ -189,8 +202,8 @@ def test_grpc_peer_strings_find_the_servers_socket(bind: str, target: str) -> No
 
 def test_the_routers_front_corks_a_channel_of_several_streams() -> None:
     """Through the router's front (null stages, in process): eight concurrent streams on one
-    channel are corked in bursts while they run, every stream gets all its tokens, and the
-    peer is forgotten once they end."""
+    channel are corked in bursts once the look-up found their connection, every stream gets
+    all its tokens, and the peer is forgotten once they end."""
 
     async def run() -> None:
         stages = stage_configs(default_model_dir(), 2, model_impl="null", num_blocks=512)
@@ -207,9 +220,9 @@ def test_the_routers_front_corks_a_channel_of_several_streams() -> None:
 
             async def one(i: int) -> int:
                 chunks = [c async for c in client.generate(
-                    prompt=f"request {i}", max_tokens=48, ignore_eos=True)]
+                    prompt=f"request {i}", max_tokens=96, ignore_eos=True)]
                 return sum(len(c.token_ids) for c in chunks)
-            assert await asyncio.gather(*(one(i) for i in range(8))) == [48] * 8
+            assert await asyncio.gather(*(one(i) for i in range(8))) == [96] * 8
             assert sets.count(1) >= 1 and sets.count(1) == sets.count(0)
             assert corks._peers == {}
 
