@@ -277,8 +277,8 @@ def add_mesh_args(ap: argparse.ArgumentParser) -> None:
 def base_config(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     """What every W5 report says about the mesh: model, shape, device, layout, revision."""
     model_dir = resolve_model(args.model)
-    return {
-        "workload": workload, "model": args.model, "model_dir": str(model_dir),
+    return {  # the model directory's name only: its path is the machine's
+        "workload": workload, "model": args.model, "model_dir_name": model_dir.name,
         "shape": model_shape(model_dir), "device": args.device, "stages": args.stages,
         "tp": args.tp, "transport": "gRPC control; data plane per hop: served.hop_transports",
         "prefix_caching": False,

@@ -61,6 +61,7 @@ from benchmarks.serving import (
     served,
 )
 from benchmarks.serving_metrics import LATENCIES, stats, summarize
+from foundation.modelstore import resolve_model
 from stagemesh.local_mesh import Mesh, free_port
 
 
@@ -317,7 +318,7 @@ def main() -> None:
             work = args.out.with_name(f"{args.out.stem}-guidellm-r{rnd + 1}")
             work.mkdir(parents=True, exist_ok=True)
             mine, bench = asyncio.run(interleaved_round(mesh, args, rnd,
-                                                        Path(config["model_dir"]), work))
+                                                        resolve_model(args.model), work))
             new = [{"round": rnd + 1, **r} for r in (
                 mine, guidellm_recomputed(bench, args.warmup, args.requests,
                                           args.output_len, args.ttft_slo_ms,
