@@ -116,6 +116,7 @@ class ConnectionCorks:
         self.enabled = _TCP_CORK is not None and os.path.isdir(_FD_DIR)
         self.local_port = 0
         self._peers: dict[str, _Peer] = {}
+        self._found: list[_Peer] = []  # the peers whose socket was found: the ones to cork
         self._corked: list[socket.socket] = []
         self._bursts = 0  # bursts noted; the uncork runs after the last one's writes
         self._uncork_due = False
@@ -142,6 +143,7 @@ class ConnectionCorks:
             if entry.streams == 0:
                 del self._peers[peer]
                 if entry.sock is not None:
+                    self._found.remove(entry)
                     if entry.sock in self._corked:
                         self._set(entry.sock, 0)
                         self._corked.remove(entry.sock)
@@ -159,6 +161,7 @@ class ConnectionCorks:
                 sock.close()
             else:
                 entry.sock = sock
+                self._found.append(entry)
         asyncio.get_running_loop().run_in_executor(
             None, find_connection, address, self.local_port).add_done_callback(found)
 
@@ -167,8 +170,8 @@ class ConnectionCorks:
         runs. Call before queueing a burst of updates."""
         if not self.enabled or self._corked:
             return
-        for entry in self._peers.values():
-            if entry.sock is not None and entry.streams > 1 and self._set(entry.sock, 1):
+        for entry in self._found:
+            if entry.streams > 1 and entry.sock is not None and self._set(entry.sock, 1):
                 self._corked.append(entry.sock)
 
     def burst_written(self) -> None:
