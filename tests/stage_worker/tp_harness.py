@@ -64,3 +64,13 @@ def run_tp_step(model_dir: Path, tp_stage: int, prompts: list[list[int]], max_ne
         saved = load_file(out.with_suffix(".safetensors"))
         outputs.append([saved[str(i)] for i in range(len(saved))])
     return json.loads(outs[0].with_suffix(".json").read_text()), outputs
+
+
+def exit_now() -> None:
+    """Leave without the interpreter's teardown: every rank has passed the barrier, so its
+    outputs are written. Destroying gloo's process group while its threads still run has
+    ended a rank with "terminate called without an active exception" (std::terminate on a
+    joinable thread), a failure of the exit only."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -20,6 +20,7 @@ from stage_worker.leader import StageLeader
 from stage_worker.parallel import TPGroup, init_tp_group
 from stage_worker.tp_rank import follow
 from tests.stage_worker.step_script import converse, link, record_outputs, stage_config
+from tests.stage_worker.tp_harness import exit_now
 
 
 def main(argv: list[str]) -> None:
@@ -43,7 +44,7 @@ def main(argv: list[str]) -> None:
     save_file({str(i): t.contiguous() for i, t in enumerate(outputs)},
               out.with_suffix(".safetensors"))
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    exit_now()
 
 
 if __name__ == "__main__":

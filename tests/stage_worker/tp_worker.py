@@ -11,6 +11,7 @@ import torch
 
 from stage_worker.offline import LocalPipeline, LocalPipelineConfig, greedy_generate
 from stage_worker.parallel import init_tp_group
+from tests.stage_worker.tp_harness import exit_now
 
 
 def main(argv: list[str]) -> None:
@@ -25,7 +26,7 @@ def main(argv: list[str]) -> None:
     Path(argv[6]).write_text(json.dumps(out))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    exit_now()
 
 
 if __name__ == "__main__":
