@@ -73,7 +73,8 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
     this process as "client"), the wake-ups by part (`woken()`, the same) and the
     preemptions by part (`preempted()`, the same) over `window_s`. Then `probes` one-token
     requests, one after another, each into the steady decode: their times to first token
-    ("probe_ttft_ms"), which include the wait behind the steps planned before they came."""
+    ("probe_ttft_ms"), which include the wait behind the steps planned before they came; and
+    the transport of each hop between stages ("hop_transports", as the router reports it)."""
     async with RouterClient(address) as client:
         tokens = 0
 
@@ -98,6 +99,7 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
             p1 = {**preempted(), "client": preemptions(os.getpid())}
             s1, t1, k1 = (await client.stats()).steps, time.perf_counter(), tokens
             ttft = [await _probe(client, i) for i in range(probes)]
+            hops = list((await client.model_info()).hop_transports)
         finally:
             for t in tasks:
                 t.cancel()
@@ -106,7 +108,7 @@ async def steady_decode(address: str, requests: Sequence[dict[str, Any]], window
             "cpu_s": {part: c1[part] - c0.get(part, 0.0) for part in sorted(c1)},
             "wakeups": {part: w1[part] - w0.get(part, 0) for part in sorted(w1)},
             "preemptions": {part: p1[part] - p0.get(part, 0) for part in sorted(p1)},
-            "probe_ttft_ms": ttft}
+            "probe_ttft_ms": ttft, "hop_transports": hops}
 
 
 async def _probe(client: RouterClient, i: int) -> float:
@@ -138,7 +140,8 @@ async def measure(address: str, seqs: int, window_s: float,
     cpu_us = {part: round(s * 1e6 / steps) for part, s in got["cpu_s"].items()}
     woke = {part: round(n / steps, 2) for part, n in got["wakeups"].items()}
     taken = {part: round(n / steps, 2) for part, n in got["preemptions"].items()}
-    return {"steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
+    return {"hop_transports": got["hop_transports"],
+            "steps_per_s": steps_s, "us_per_step": 1e6 / steps_s,
             "tokens_per_s": got["tokens"] / got["seconds"],
             "cpu_us_per_step": sum(cpu_us.values()), "cpu_us_per_step_by_part": cpu_us,
             "cpu_vs_engine_core_by_part": cpu_over(cpu_us, "engine core"),
@@ -209,7 +212,7 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.control_plane",
                                    *sys.argv[1:]], env)
     config: dict[str, Any] = {"workload": "W6", "model": f"{args.model} (config only)",
-                              "compute": "null model (no model work)", "transport": "tcp",
+                              "compute": "null model (no model work)",
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
                               "metrics": not args.no_metrics, "extra": args.extra,
                               "micro_batches": args.micro_batches,

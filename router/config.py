@@ -68,11 +68,13 @@ class RouterConfig:
         audit_log_content: put the prompt and output text in those lines (the users' data:
             off unless asked for).
         transport: the data-plane transport of each hop between stages: "auto" (CUDA IPC
-            between two stages on one host that both offer it, NCCL between GPU stages on
-            different hosts that both offer it, falling back to TCP for a hop where that
-            link fails; TCP elsewhere), "tcp", "cuda_ipc" or "nccl" (every hop; the
-            pipeline does not come up while a hop cannot have it). The feedback link (last
-            stage -> first stage) is always TCP.
+            between two stages on one host that both offer it, else a Unix-domain socket
+            between two stages of one host, NCCL between GPU stages on different hosts that
+            both offer it, falling back to TCP for a hop where that link fails; TCP
+            elsewhere), "tcp", "unix", "cuda_ipc" or "nccl" (every hop; the pipeline does
+            not come up while a hop cannot have it). The feedback link (last stage -> first
+            stage) is a Unix-domain socket inside one host unless "tcp" is asked for, else
+            TCP (`choose_feedback_transport`).
         standby_stages: host:port of standby stages (`stagemesh stage --standby`), used in
             order: a stage that does not answer for `standby_grace_s` while the pipeline
             tries to come back is replaced by one (it loads that stage's layers), so a lost

@@ -9,7 +9,7 @@ from pathlib import Path
 from stage_worker.dataplane.compression import CHOICES as COMPRESSION_CHOICES
 
 MODEL_IMPLS = ("auto", "llama", "null")
-TRANSPORT_CHOICES = ("auto", "tcp", "cuda_ipc", "nccl")
+TRANSPORT_CHOICES = ("auto", "tcp", "unix", "cuda_ipc", "nccl")
 QUANTIZATION_CHOICES = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -57,10 +57,10 @@ class StageConfig:
         activation_compression: the form of the activations this stage sends downstream:
             "none", "bf16", "fp16" or "int8" (`stage_worker.dataplane.compression`).
         transport: the data-plane transports the stage offers for activation links: "auto"
-            (``tcp``, and ``cuda_ipc`` and ``nccl`` on a CUDA device with cupy, and its
-            NCCL, installed), "tcp", "cuda_ipc" or "nccl" (only that one; refused at start
-            where it cannot work). The router
-            picks per hop among what both ends offer.
+            (``tcp``, ``unix`` on Linux, and ``cuda_ipc`` and ``nccl`` on a CUDA device with
+            cupy, and its NCCL, installed), "tcp", "unix", "cuda_ipc" or "nccl" (only that
+            one; refused at start where it cannot work). The router picks per hop among what
+            both ends offer.
         dataplane_tls_cert / dataplane_tls_key / dataplane_tls_ca: PEM files; all three turn
             TLS on for the stage's TCP data-plane links (`DataPlaneTls`): this stage's
             certificate and key (presented when it accepts a link), and the CA that signed

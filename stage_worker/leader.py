@@ -75,9 +75,9 @@ class StageLeader:
                  dataplane_config: DataPlaneConfig | None = None) -> None:
         """`dataplane`: where the listeners bind (default: the router's name).
         `compression`: the form of the activations sent downstream (the receiver reads any).
-        `transport`: what the stage offers for activation links ("auto", "tcp", "cuda_ipc",
-        "nccl"; see `offered_transports`). Raises ValueError where the one asked for cannot
-        work.
+        `transport`: what the stage offers for activation links ("auto", "tcp", "unix",
+        "cuda_ipc", "nccl"; see `offered_transports`). Raises ValueError where the one asked
+        for cannot work.
         `dataplane_config`: the links' limits and TLS (default: plaintext, default limits)."""
         self.rank = rank
         self.step_timeout_s = step_timeout_s
@@ -123,18 +123,20 @@ class StageLeader:
                            kind: TransportKind = TransportKind.TCP) -> None:
         self.links.connect_downstream(address, token, epoch, kind)
 
-    def listen_feedback(self, router_host: str, token: bytes, epoch: int) -> str:
+    def listen_feedback(self, router_host: str, token: bytes, epoch: int,
+                        kind: TransportKind = TransportKind.TCP) -> str:
         """First stage: see `DataPlaneLinks.listen_feedback`."""
         if not self.rank.is_first or self.rank.is_last:
             raise ValueError("only the first stage of a pipeline of several listens for "
                              "feedback")
-        return self.links.listen_feedback(router_host, token, epoch)
+        return self.links.listen_feedback(router_host, token, epoch, kind)
 
-    def connect_feedback(self, address: str, token: bytes, epoch: int) -> None:
+    def connect_feedback(self, address: str, token: bytes, epoch: int,
+                         kind: TransportKind = TransportKind.TCP) -> None:
         """Last stage: see `DataPlaneLinks.connect_feedback`."""
         if not self.rank.is_last or self.rank.is_first:
             raise ValueError("only the last stage of a pipeline of several sends feedback")
-        self.links.connect_feedback(address, token, epoch)
+        self.links.connect_feedback(address, token, epoch, kind)
 
     @property
     def linked(self) -> bool:

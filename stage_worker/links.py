@@ -31,6 +31,7 @@ from stage_worker.dataplane import (
 from stage_worker.dataplane.cuda_ipc import unavailable_reason
 from stage_worker.dataplane.cuda_ipc_slots import TENSOR_ALIGN, RingConfig
 from stage_worker.dataplane.nccl_backend import unavailable_reason as nccl_unavailable_reason
+from stage_worker.dataplane.unix import unavailable_reason as unix_unavailable_reason
 from stage_worker.dataplane.wire import MAX_TENSORS
 
 log = logging.getLogger("stagemesh.stage")
@@ -89,8 +90,9 @@ class DataPlaneLinks:
     `on_feedback` is called with each feedback link the first stage accepts (it starts a
     thread that drains it). Activation links are ``tcp``, ``cuda_ipc`` where `ring` is
     given (the stage's device and its largest step's activations), or ``nccl`` where
-    `nccl_device` is (the stage's device, with NCCL available): the router names the kind
-    per hop in ``Connect``. The feedback link is always ``tcp`` (a few host integers).
+    `nccl_device` is (the stage's device, with NCCL available), or ``unix`` (a stage of
+    the same host, on Linux): the router names the kind per hop in ``Connect``. The
+    feedback link (a few host integers) is ``tcp`` or ``unix``.
     """
 
     def __init__(self, address: DataPlaneAddress, timeout_s: float,
@@ -135,10 +137,12 @@ class DataPlaneLinks:
         self.upstream_kind = kind
         return address
 
-    def listen_feedback(self, router_host: str, token: bytes, epoch: int) -> str:
-        """First stage: listen for the last stage's feedback link, as `listen_upstream`
-        (the first stage has no upstream listener, so a fixed data-plane port serves it)."""
-        return self._listen(self._feedback_in, router_host, token, epoch)
+    def listen_feedback(self, router_host: str, token: bytes, epoch: int,
+                        kind: TransportKind = TransportKind.TCP) -> str:
+        """First stage: listen for the last stage's feedback link (``tcp`` or ``unix``), as
+        `listen_upstream` (the first stage has no upstream listener, so a fixed data-plane
+        port serves it)."""
+        return self._listen(self._feedback_in, router_host, token, epoch, kind)
 
     def connect_downstream(self, address: str, token: bytes, epoch: int,
                            kind: TransportKind = TransportKind.TCP) -> None:
@@ -149,9 +153,10 @@ class DataPlaneLinks:
             self._downstream = link
             self.downstream_kind = kind
 
-    def connect_feedback(self, address: str, token: bytes, epoch: int) -> None:
+    def connect_feedback(self, address: str, token: bytes, epoch: int,
+                         kind: TransportKind = TransportKind.TCP) -> None:
         """Last stage: dial the first stage's feedback listener at `address`."""
-        link = self._connect(address, token, epoch)
+        link = self._connect(address, token, epoch, kind)
         with self._lock:
             if self._feedback_out is not None:
                 self._feedback_out.close()
@@ -213,14 +218,19 @@ class DataPlaneLinks:
         inbound.ready.clear()
         threading.Thread(target=self._accept, args=(inbound, listener, epoch), daemon=True,
                          name=f"dataplane-accept-{inbound.name}").start()
+        if kind is TransportKind.UNIX:
+            return listener.spec.host  # "unix:@<name>"
         host = f"[{advertise}]" if ":" in advertise and not advertise.startswith("[") else advertise
         return f"{host}:{listener.spec.port}"
 
     def _connect(self, address: str, token: bytes, epoch: int,
                  kind: TransportKind = TransportKind.TCP) -> Transport:
         self._new_epoch(epoch)
-        host, _, port = address.rpartition(":")
         ring, device = self._ends_for(kind)
+        if kind is TransportKind.UNIX:
+            return open_link(LinkSpec(kind, address, 0, token), timeout_s=self.timeout_s,
+                             config=self.config)
+        host, _, port = address.rpartition(":")
         if ring is not None:
             device = ring.device
         return open_link(LinkSpec(kind, host.strip("[]"), int(port), token),
@@ -229,7 +239,8 @@ class DataPlaneLinks:
     def _ends_for(self, kind: TransportKind) -> tuple[RingConfig | None, torch.device | None]:
         """(the ring a ``cuda_ipc`` link needs, the device an ``nccl`` link needs);
         ValueError where this stage offers no such link."""
-        if kind is TransportKind.TCP:
+        if kind is TransportKind.TCP or (kind is TransportKind.UNIX
+                                         and unix_unavailable_reason() is None):
             return None, None
         if kind is TransportKind.CUDA_IPC and self.ring is not None:
             return self.ring, None
@@ -270,15 +281,22 @@ class DataPlaneLinks:
 
 def offered_transports(choice: str, ring: RingConfig | None,
                        nccl_device: torch.device | None = None) -> tuple[TransportKind, ...]:
-    """What a stage configured with transport `choice` ("auto", "tcp", "cuda_ipc", "nccl")
-    offers for activation links, given the `ring` it could receive into (None: no CUDA IPC
-    here) and its `nccl_device` (None: no NCCL here; see `nccl_device`).
+    """What a stage configured with transport `choice` ("auto", "tcp", "unix", "cuda_ipc",
+    "nccl") offers for activation links, given the `ring` it could receive into (None: no
+    CUDA IPC here) and its `nccl_device` (None: no NCCL here; see `nccl_device`). "auto"
+    offers ``unix`` wherever the platform has it (Linux); the router takes it only for a
+    hop inside one host.
 
     Raises:
-        ValueError: "cuda_ipc" or "nccl" was asked for where it cannot work.
+        ValueError: "unix", "cuda_ipc" or "nccl" was asked for where it cannot work.
     """
     if choice == "tcp":
         return (TransportKind.TCP,)
+    unix = unix_unavailable_reason()
+    if choice == "unix":
+        if unix is not None:
+            raise ValueError(f"--transport unix: {unix}")
+        return (TransportKind.UNIX,)
     if choice == "cuda_ipc":
         if ring is None:
             raise ValueError("--transport cuda_ipc needs a CUDA device and cupy on the stage")
@@ -288,7 +306,8 @@ def offered_transports(choice: str, ring: RingConfig | None,
             raise ValueError("--transport nccl needs a CUDA device and cupy with NCCL on the "
                              "stage")
         return (TransportKind.NCCL,)
-    return ((TransportKind.TCP,) + ((TransportKind.CUDA_IPC,) if ring is not None else ())
+    return ((TransportKind.TCP,) + ((TransportKind.UNIX,) if unix is None else ())
+            + ((TransportKind.CUDA_IPC,) if ring is not None else ())
             + ((TransportKind.NCCL,) if nccl_device is not None else ()))
 
 

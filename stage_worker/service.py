@@ -37,7 +37,7 @@ log = logging.getLogger("stagemesh.stage")
 MAX_QUEUED_STEPS = 16
 
 _KIND_ENUMS = {TransportKind.TCP: pb.TRANSPORT_TCP, TransportKind.CUDA_IPC: pb.TRANSPORT_CUDA_IPC,
-               TransportKind.NCCL: pb.TRANSPORT_NCCL}
+               TransportKind.NCCL: pb.TRANSPORT_NCCL, TransportKind.UNIX: pb.TRANSPORT_UNIX}
 _ENUM_KINDS = {pb.TRANSPORT_UNSPECIFIED: TransportKind.TCP,
                **{enum: kind for kind, enum in _KIND_ENUMS.items()}}
 _ACTIVATION_ROLES = frozenset({pb.LINK_ROLE_LISTEN_UPSTREAM, pb.LINK_ROLE_CONNECT_DOWNSTREAM})
@@ -115,23 +115,25 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if kind is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 f"transport {pb.Transport.Name(request.transport)} is not "
-                                "implemented (have: TRANSPORT_TCP, TRANSPORT_CUDA_IPC, "
-                                "TRANSPORT_NCCL)")
+                                "implemented (have: TRANSPORT_TCP, TRANSPORT_UNIX, "
+                                "TRANSPORT_CUDA_IPC, TRANSPORT_NCCL)")
         if kind not in self.leader.transports and request.role in _ACTIVATION_ROLES:
             offered = ", ".join(pb.Transport.Name(_KIND_ENUMS[k]) for k in self.leader.transports)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"transport {pb.Transport.Name(request.transport)} is not "
                                 f"offered by this stage (it offers {offered})")
-        if kind is not TransportKind.TCP and request.role not in _ACTIVATION_ROLES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the feedback link is TRANSPORT_TCP only")
+        if request.role not in _ACTIVATION_ROLES and kind is not TransportKind.TCP:
+            if kind is not TransportKind.UNIX:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "the feedback link is TRANSPORT_TCP or TRANSPORT_UNIX")
+            if kind not in self.leader.transports:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "this stage does not offer TRANSPORT_UNIX")
         listen = {pb.LINK_ROLE_LISTEN_UPSTREAM: self.leader.listen_upstream,
                   pb.LINK_ROLE_LISTEN_FEEDBACK: self.leader.listen_feedback}.get(request.role)
         connect = {pb.LINK_ROLE_CONNECT_DOWNSTREAM: self.leader.connect_downstream,
                    pb.LINK_ROLE_CONNECT_FEEDBACK: self.leader.connect_feedback}.get(request.role)
-        args: tuple[object, ...] = (request.address, request.link_token, request.epoch)
-        if request.role in _ACTIVATION_ROLES:
-            args += (kind,)
+        args = (request.address, request.link_token, request.epoch, kind)
         try:
             if listen is not None:
                 address = await self._call(listen, *args)

@@ -120,16 +120,19 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                         "connections across them; a connection stays on one process. Raise "
                         "it when one process's per-token work limits throughput, e.g. "
                         "hundreds of concurrent streams (default: %(default)s)")
-    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc", "nccl"),
+    p.add_argument("--transport", default="auto",
+                   choices=("auto", "tcp", "unix", "cuda_ipc", "nccl"),
                    help="data-plane transport of each hop between stages: auto (cuda_ipc "
-                        "between two stages on one host that both offer it, nccl between "
-                        "two GPU stages on different hosts that both offer it, TCP elsewhere "
-                        "and for a hop whose cuda_ipc or nccl link fails), tcp, cuda_ipc or "
-                        "nccl (every hop; the pipeline does not come up while one cannot "
-                        "have it). The "
-                        "feedback link (last stage to first) is always TCP. `stagemesh serve` "
-                        "passes it to its stages too, which then offer only that transport "
-                        "(auto: what they can) (default: %(default)s)")
+                        "between two stages on one host that both offer it, else a "
+                        "Unix-domain socket (unix) between two stages of one host, nccl "
+                        "between two GPU stages on different hosts that both offer it, TCP "
+                        "elsewhere and for a hop whose cuda_ipc, unix or nccl link fails), "
+                        "tcp, unix, cuda_ipc or nccl (every hop; the pipeline does not come "
+                        "up while one cannot have it). The feedback link (last stage to "
+                        "first) is unix where both of its stages offer it, unless tcp is "
+                        "asked for; else TCP. `stagemesh serve` passes it to its stages "
+                        "too, which then offer only that transport (auto: what they can) "
+                        "(default: %(default)s)")
     p.add_argument("--tool-call-parser", default="auto", choices=PARSER_CHOICES,
                    help="how tool calls are found in chat outputs, as vLLM's flag: hermes "
                         "(<tool_call> JSON </tool_call>: Hermes, Qwen2.5), llama3_json "

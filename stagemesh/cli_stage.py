@@ -77,11 +77,12 @@ def add_stage(commands: SubParsers) -> None:
     add_quantization_arg(p)
     add_kv_cache_dtype_arg(p)
     add_compression_arg(p)
-    p.add_argument("--transport", default="auto", choices=("auto", "tcp", "cuda_ipc", "nccl"),
+    p.add_argument("--transport", default="auto",
+                   choices=("auto", "tcp", "unix", "cuda_ipc", "nccl"),
                    help="data-plane transports this stage offers for activations: auto (tcp, "
-                        "and cuda_ipc and nccl on a CUDA device with cupy, and its NCCL, "
-                        "installed), or only one; the router picks per hop among what both "
-                        "ends offer")
+                        "unix on Linux, and cuda_ipc and nccl on a CUDA device with cupy, "
+                        "and its NCCL, installed), or only one; the router picks per hop "
+                        "among what both ends offer")
     p.add_argument("--standby", action="store_true",
                    help="hold no layers until the router assigns this stage the place of one "
                         "that failed (the router's --standby-stages lists it); --stage-index "

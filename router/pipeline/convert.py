@@ -197,12 +197,12 @@ def _unpack_int64(data: bytes, step: int, field: str) -> array[int]:
 
 # The data-plane transports by the router's names for them (`router.pipeline.transports`).
 _TRANSPORT_NAMES = {pb.TRANSPORT_TCP: "tcp", pb.TRANSPORT_CUDA_IPC: "cuda_ipc",
-                    pb.TRANSPORT_NCCL: "nccl"}
+                    pb.TRANSPORT_NCCL: "nccl", pb.TRANSPORT_UNIX: "unix"}
 _TRANSPORT_ENUMS = {name: value for value, name in _TRANSPORT_NAMES.items()}
 
 
 def info_from_describe(msg: pb.DescribeResponse) -> StageInfo:
-    """The stage's answer as a StageInfo. Transports by name ("tcp", "cuda_ipc", "nccl";
+    """The stage's answer as a StageInfo. Transports by name ("tcp", "unix", "cuda_ipc", "nccl";
     one this router does not know is left out); a stage that reports none (older than the
     field) offers "tcp"."""
     transports = tuple(_TRANSPORT_NAMES[t] for t in msg.transports if t in _TRANSPORT_NAMES)
@@ -250,7 +250,7 @@ def connect_request(epoch: int, token: bytes, address: str, transport: str,
                     feedback: bool = False) -> pb.ConnectRequest:
     """Ask a stage to dial its downstream neighbour's listener over `transport` (or,
     `feedback`, the last stage the first stage's feedback listener) at `address`
-    (host:port)."""
+    (host:port; "unix:@<name>")."""
     role = pb.LINK_ROLE_CONNECT_FEEDBACK if feedback else pb.LINK_ROLE_CONNECT_DOWNSTREAM
     return pb.ConnectRequest(role=role, transport=_transport_enum(transport), address=address,
                              link_token=token, epoch=epoch)

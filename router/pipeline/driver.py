@@ -37,10 +37,9 @@ from router.pipeline.shape import PipelineError, PipelineShape, StageInfo, check
 from router.pipeline.stage_client import StageClient, describe_error
 from router.pipeline.transports import (
     AUTO,
-    CUDA_IPC,
-    NCCL,
     TCP,
     TRANSPORT_CHOICES,
+    choose_feedback_transport,
     choose_transport,
     describe_hops,
 )
@@ -49,12 +48,13 @@ from router.scheduler import StepPlan
 log = logging.getLogger("stagemesh.router")
 
 START_RETRY_S = 0.5  # between attempts of `Pipeline.start` to bring the stages up
-# What a stage answers a Connect whose CUDA IPC or NCCL link cannot be made on its side (no
-# shared GPU memory between the two processes, the peer's handles refused, no NCCL route
-# between the hosts): with "auto", that hop is linked over TCP instead. Any other failure
-# is the pipeline's (start() retries).
-CUDA_IPC_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
-                                     grpc.StatusCode.FAILED_PRECONDITION})
+# What a stage answers a Connect whose CUDA IPC, Unix-domain or NCCL link cannot be made on
+# its side (no shared GPU memory between the two processes, the peer's handles refused, the
+# abstract name out of reach (another network namespace), no NCCL route between the hosts):
+# with "auto", that link is made over TCP instead. Any other failure is the pipeline's
+# (start() retries).
+FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE,
+                            grpc.StatusCode.FAILED_PRECONDITION})
 
 
 class PipelineState(Enum):
@@ -86,8 +86,9 @@ class Pipeline:
     on_answered: called after each message of answers, with how many `on_outcome` had.
     on_failure: called once when the pipeline goes down, with the reason.
     transport: the data-plane transport asked for, one of TRANSPORT_CHOICES ("auto",
-        "tcp", "cuda_ipc", "nccl"; see `choose_transport`).
-    hop_transports: the transport each hop i -> i+1 uses ("tcp", "cuda_ipc", "nccl"), P - 1
+        "tcp", "unix", "cuda_ipc", "nccl"; see `choose_transport`).
+    hop_transports: the transport each hop i -> i+1 uses ("tcp", "unix", "cuda_ipc",
+        "nccl"), P - 1
         entries in pipeline order, of the last epoch whose links all came up ([] before
         the first).
     standby: addresses of standby stages (`stage --standby`), used in order: once the
@@ -242,7 +243,8 @@ class Pipeline:
         """Stage i+1 listens, stage i connects, over the transport chosen for that hop from
         `infos` (the stages' Describe answers of this epoch); with more than one stage, the
         first stage listens for the last stage's feedback link (the run-ahead inputs), over
-        TCP. A fresh token per link, per epoch. Sets `hop_transports` once every link is up.
+        `choose_feedback_transport`'s. A fresh token per link, per epoch. Sets
+        `hop_transports` once every link is up.
 
         Raises PipelineError (a forced "cuda_ipc" a hop cannot have) or
         grpc.aio.AioRpcError (a link the stages could not make).
@@ -251,32 +253,39 @@ class Pipeline:
                  for up, down in pairwise(infos)]
         hops: list[str] = []
         for (up, down), kind in zip(pairwise(self.stages), kinds, strict=True):
-            try:
-                await self._link_hop(up, down, kind)
-            except grpc.aio.AioRpcError as e:
-                if not (kind in (CUDA_IPC, NCCL) and self.transport == AUTO
-                        and e.code() in CUDA_IPC_FALLBACK_CODES):
-                    raise
-                log.warning("hop %d->%d: the %s link failed (%s); linking it over tcp",
-                            up.index, down.index, kind, describe_error(e))
-                kind = TCP
-                await self._link_hop(up, down, kind)  # the new listen replaces the old one
-            hops.append(kind)
+            hops.append(await self._link_or_fall_back(up, down, kind))
         if len(self.stages) > 1:
-            token = secrets.token_bytes(32)
-            timeout = self._call_timeout(self.connect_timeout_s)
-            address = await self.stages[0].listen(self.epoch, token, timeout, feedback=True,
-                                                  transport=TCP)
-            await self.stages[-1].connect(self.epoch, token, address, timeout, feedback=True,
-                                          transport=TCP)
+            kind = choose_feedback_transport(infos[-1], infos[0], self.transport)
+            await self._link_or_fall_back(self.stages[-1], self.stages[0], kind, feedback=True)
         self.hop_transports = hops
 
-    async def _link_hop(self, up: StageClient, down: StageClient, kind: str) -> None:
-        """`down` listens over `kind`, `up` connects to it; a fresh token."""
+    async def _link_or_fall_back(self, up: StageClient, down: StageClient, kind: str,
+                                 feedback: bool = False) -> str:
+        """`_link_hop`; with "auto", a link other than TCP that the stages could not make
+        (`FALLBACK_CODES`) is made over TCP instead. Returns the transport linked."""
+        try:
+            await self._link_hop(up, down, kind, feedback)
+        except grpc.aio.AioRpcError as e:
+            if kind == TCP or e.code() not in FALLBACK_CODES or not (
+                    self.transport == AUTO or feedback):
+                raise
+            link = "feedback link" if feedback else f"hop {up.index}->{down.index}"
+            log.warning("%s: the %s link failed (%s); linking it over tcp", link, kind,
+                        describe_error(e))
+            kind = TCP
+            await self._link_hop(up, down, kind, feedback)  # the new listen replaces the old
+        return kind
+
+    async def _link_hop(self, up: StageClient, down: StageClient, kind: str,
+                        feedback: bool = False) -> None:
+        """`down` listens over `kind`, `up` connects to it; a fresh token. `feedback`: the
+        run-ahead feedback link (`up` the last stage, `down` the first)."""
         token = secrets.token_bytes(32)
         timeout = self._call_timeout(self.connect_timeout_s)
-        address = await down.listen(self.epoch, token, timeout, transport=kind)
-        await up.connect(self.epoch, token, address, timeout, transport=kind)
+        address = await down.listen(self.epoch, token, timeout, feedback=feedback,
+                                    transport=kind)
+        await up.connect(self.epoch, token, address, timeout, feedback=feedback,
+                         transport=kind)
 
     async def send(self, plans: Sequence[StepPlan],
                    traces: Mapping[int, str] | None = None,

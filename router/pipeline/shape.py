@@ -16,7 +16,7 @@ class StageInfo:
     num_kv_blocks: blocks of its pool the router may hand out.
     max_num_batched_tokens: the largest step (tokens computed) it sized its activations for.
     max_num_seqs: the most sequences one step may compute.
-    transports: the data-plane transports it offers ("tcp", "cuda_ipc", "nccl"); a stage
+    transports: the data-plane transports it offers ("tcp", "unix", "cuda_ipc", "nccl"); a stage
         that reports none offers "tcp".
     host_id: which machine it runs on (host name and boot id): two stages with the same
         non-empty host_id share a host; "" = not reported (an older stage).

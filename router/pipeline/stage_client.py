@@ -78,8 +78,9 @@ class StageClient:
     async def listen(self, epoch: int, token: bytes, timeout_s: float,
                      feedback: bool = False, transport: str = "tcp") -> str:
         """Make this stage listen for its upstream neighbour over `transport` ("tcp",
-        "cuda_ipc") (`feedback`: the first stage, for the last stage's sampled ids); returns
-        the host:port to dial. Raises grpc.aio.AioRpcError when the stage refuses."""
+        "unix", "cuda_ipc", "nccl") (`feedback`: the first stage, for the last stage's
+        sampled ids); returns the address to dial (host:port; "unix:@<name>"). Raises
+        grpc.aio.AioRpcError when the stage refuses."""
         host = self.address.rpartition(":")[0] or "127.0.0.1"
         reply = await self.stub.Connect(listen_request(epoch, token, host, transport, feedback),
                                         timeout=timeout_s, metadata=self.metadata)

@@ -1,9 +1,15 @@
 """Which data-plane transport each hop between two neighbouring stages uses.
 
 The router's `--transport` asks for one: "auto" (CUDA IPC where two stages on one host can
-share GPU memory, NCCL between GPU stages on different hosts, TCP elsewhere), "tcp"
-everywhere, "cuda_ipc" or "nccl" everywhere (an error naming the stage when a hop cannot).
-The feedback link (last stage -> first stage: a few host ints per step) is always TCP.
+share GPU memory, else a Unix-domain socket between two stages of one host, NCCL between GPU
+stages on different hosts, TCP elsewhere), "tcp" everywhere, "unix", "cuda_ipc" or "nccl"
+everywhere (an error naming the stage when a hop cannot). The feedback link (last stage ->
+first stage: a few host ints per step) is a Unix-domain socket where those two stages share
+a host and both offer it, unless "tcp" is asked for; else TCP (`choose_feedback_transport`).
+
+"One host" is the same non-empty host_id (host name and boot id): two processes of one
+machine, or two containers of one pod, which share a network namespace, where an abstract
+Unix-domain name reaches.
 """
 
 from __future__ import annotations
@@ -11,24 +17,26 @@ from __future__ import annotations
 from router.pipeline.shape import PipelineError, StageInfo
 
 TCP = "tcp"
+UNIX = "unix"
 CUDA_IPC = "cuda_ipc"
 NCCL = "nccl"
 AUTO = "auto"
-TRANSPORT_CHOICES = (AUTO, TCP, CUDA_IPC, NCCL)  # what `--transport` accepts
+TRANSPORT_CHOICES = (AUTO, TCP, UNIX, CUDA_IPC, NCCL)  # what `--transport` accepts
 
 
 def choose_transport(up: StageInfo, down: StageInfo, wanted: str) -> str:
     """The transport of the hop `up` -> `down` (neighbours, in pipeline order).
 
     wanted: "auto" -> "cuda_ipc" when both stages offer it and report the same non-empty
-    host_id; else "nccl" when both offer it and report two different non-empty host_ids;
-    else "tcp". "tcp" -> "tcp"; "cuda_ipc" -> "cuda_ipc" when that holds; "nccl" -> "nccl"
-    when both offer it, on any hosts (two GPUs of one host without IPC between them; NCCL
-    refuses two ranks on one GPU, which the link then reports).
+    host_id; else "unix" when both offer that and report the same non-empty host_id; else
+    "nccl" when both offer it and report two different non-empty host_ids; else "tcp".
+    "tcp" -> "tcp"; "unix" and "cuda_ipc" -> that when it holds; "nccl" -> "nccl" when both
+    offer it, on any hosts (two GPUs of one host without IPC between them; NCCL refuses two
+    ranks on one GPU, which the link then reports).
 
     Raises:
-        PipelineError: "cuda_ipc" or "nccl" was asked for and this hop cannot have it
-            (naming the stage(s) that do not offer it, or the two hosts).
+        PipelineError: "unix", "cuda_ipc" or "nccl" was asked for and this hop cannot have
+            it (naming the stage(s) that do not offer it, or the two hosts).
         ValueError: `wanted` is none of TRANSPORT_CHOICES.
     """
     if wanted not in TRANSPORT_CHOICES:
@@ -36,15 +44,27 @@ def choose_transport(up: StageInfo, down: StageInfo, wanted: str) -> str:
                          f"got {wanted!r}")
     if wanted == TCP:
         return TCP
-    why = _why_not_nccl(up, down) if wanted == NCCL else _why_not_cuda_ipc(up, down)
-    if why is None:
-        return wanted if wanted == NCCL else CUDA_IPC
     if wanted != AUTO:
-        raise PipelineError(f"--transport {wanted}: the hop from stage {up.stage_index} to "
-                            f"stage {down.stage_index} cannot use {wanted}: {why}")
+        why = _why_not_nccl(up, down) if wanted == NCCL else _why_not_same_host(up, down,
+                                                                                 wanted)
+        if why is not None:
+            raise PipelineError(f"--transport {wanted}: the hop from stage {up.stage_index} "
+                                f"to stage {down.stage_index} cannot use {wanted}: {why}")
+        return wanted
+    for kind in (CUDA_IPC, UNIX):
+        if _why_not_same_host(up, down, kind) is None:
+            return kind
     if (_why_not_nccl(up, down) is None and up.host_id and down.host_id
             and up.host_id != down.host_id):
         return NCCL
+    return TCP
+
+
+def choose_feedback_transport(last: StageInfo, first: StageInfo, wanted: str) -> str:
+    """The transport of the run-ahead feedback link `last` -> `first`: "unix" where the two
+    stages offer it and share a host, unless `wanted` is "tcp"; else "tcp"."""
+    if wanted != TCP and _why_not_same_host(last, first, UNIX) is None:
+        return UNIX
     return TCP
 
 
@@ -62,9 +82,10 @@ def _why_not_nccl(up: StageInfo, down: StageInfo) -> str | None:
     return _lacking(up, down, NCCL)
 
 
-def _why_not_cuda_ipc(up: StageInfo, down: StageInfo) -> str | None:
-    """None when the two stages can link over CUDA IPC, else why not."""
-    lacking = _lacking(up, down, CUDA_IPC)
+def _why_not_same_host(up: StageInfo, down: StageInfo, kind: str) -> str | None:
+    """None when the two stages can link over `kind` ("cuda_ipc", "unix": both offer it,
+    on one host), else why not."""
+    lacking = _lacking(up, down, kind)
     if lacking:
         return lacking
     unknown = [s for s in (up, down) if not s.host_id]

@@ -1,9 +1,11 @@
 """The data plane: activations between neighbouring pipeline stages, never over gRPC.
 
-One `Transport` contract (``transport.py``), one wire format (``wire.py``), and three
+One `Transport` contract (``transport.py``), one wire format (``wire.py``), and four
 implementations: ``tcp`` (any two hosts, CPU or GPU; activations through host memory),
-``cuda_ipc`` (stages on one host: device memory to device memory, ``cuda_ipc.py``) and
-``nccl`` (GPUs on different hosts: a 2-rank NCCL communicator per link, ``nccl.py``).
+``unix`` (the same stream on a Unix-domain socket, between processes of one host and network
+namespace, ``unix.py``), ``cuda_ipc`` (stages on one host: device memory to device memory,
+``cuda_ipc.py``) and ``nccl`` (GPUs on different hosts: a 2-rank NCCL communicator per link,
+``nccl.py``).
 """
 
 from stage_worker.dataplane.config import (

@@ -26,6 +26,7 @@ class TransportKind(enum.Enum):
     TCP = "tcp"
     CUDA_IPC = "cuda_ipc"
     NCCL = "nccl"
+    UNIX = "unix"
 
 
 def new_link_token() -> bytes:
@@ -50,8 +51,10 @@ class LinkSpec:
     Attributes:
         kind: the transport.
         host: the listener's address (an IP or name; a listener binds exactly this, never a
-            wildcard unless one is given explicitly).
-        port: the listener's port; 0 asks the listener to pick one (its ``spec`` reports it).
+            wildcard unless one is given explicitly); ``unix``: "unix:@<name>" (the listener
+            picks it; its ``spec`` reports it).
+        port: the listener's port; 0 asks the listener to pick one (its ``spec`` reports it);
+            ``unix``: 0 (none).
         token: the per-link secret the connector must present (never printed in ``repr``).
     """
 

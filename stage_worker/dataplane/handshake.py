@@ -1,4 +1,5 @@
-"""The token handshake of a TCP data-plane link, and the socket options every link gets.
+"""The token handshake of a stream data-plane link (TCP or Unix-domain), TLS on a TCP one, and
+the socket options every TCP link gets.
 
 Wire format (see `wire`): the connector sends the hello struct and its token; the listener
 answers ``SMOK`` or ``SMNO``. Both sides run this on a socket with a timeout (``settimeout``),
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import socket
+import ssl
 import time
 
 from stage_worker.dataplane.config import DataPlaneConfig
@@ -77,8 +79,18 @@ def check_token_presented(conn: socket.socket, token: bytes, timeout_s: float) -
         return f"connection lost during handshake: {e}"
 
 
+UNIX_SEND_BUFFER_BYTES = 4 << 20  # as TCP's default largest send buffer (tcp_wmem)
+
+
 def tune_socket(sock: socket.socket, config: DataPlaneConfig) -> None:
-    """Latency and liveness options: no Nagle delay on small headers; keepalive on idle links."""
+    """Latency and liveness options of a TCP link: no Nagle delay on small headers; keepalive
+    on idle links. A Unix-domain link has neither; its send buffer, fixed where TCP's grows
+    to a few MiB, is asked for as much (the kernel caps it at `net.core.wmem_max`), so a
+    stage hands off a large prefill's activations without waiting for its peer to read, as
+    over TCP."""
+    if sock.family == getattr(socket, "AF_UNIX", None):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
+        return
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if config.tcp_keepalive_idle_s is None:
         return
@@ -107,3 +119,33 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
     """Best-effort verdict to a peer we are about to drop."""
     with contextlib.suppress(OSError):
         sock.sendall(data)
+
+
+def tls_handshake(sock: socket.socket, context: ssl.SSLContext, deadline: float, peer: str,
+                   server_hostname: str | None = None) -> ssl.SSLSocket:
+    """`sock` wrapped in TLS, the handshake done before `deadline` (a server when
+    `server_hostname` is None; a client checks the peer's certificate names it). On failure
+    the connection is closed.
+
+    Raises:
+        LinkRefusedError: the handshake failed (no TLS on the other end, a certificate the
+            CA did not sign or that does not name the host dialled).
+        TransportTimeout: the handshake did not finish in time.
+    """
+    wrapped = context.wrap_socket(sock, server_side=server_hostname is None,
+                                  server_hostname=server_hostname,
+                                  do_handshake_on_connect=False)
+    try:
+        wrapped.settimeout(max(deadline - time.monotonic(), 1e-3))
+        wrapped.do_handshake()
+    except TimeoutError as e:
+        wrapped.close()
+        raise TransportTimeout(f"TLS handshake with data-plane peer {peer} timed out",
+                               link_closed=True) from e
+    except (ssl.SSLError, OSError) as e:
+        wrapped.close()
+        raise LinkRefusedError(f"TLS handshake with data-plane peer {peer} failed ({e}); "
+                               "every stage of the pipeline must run its data plane over TLS "
+                               "(--dataplane-tls-ca), with a certificate naming the address "
+                               "it is dialled at") from e
+    return wrapped

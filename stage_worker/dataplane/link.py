@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from stage_worker.dataplane import cuda_ipc_setup, nccl_setup
+from stage_worker.dataplane import cuda_ipc_setup, nccl_setup, unix
 from stage_worker.dataplane.config import DataPlaneConfig, LinkSpec, TransportKind
 from stage_worker.dataplane.cuda_ipc_slots import RingConfig
 from stage_worker.dataplane.tcp import TcpListener, TcpTransport
@@ -21,7 +21,8 @@ _DEFAULT_CONFIG = DataPlaneConfig()
 def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG,
                   ring: RingConfig | None = None,
                   device: torch.device | None = None) -> LinkListener:
-    """Start the accepting end of a link: bind ``spec.host:spec.port`` (0 picks a port).
+    """Start the accepting end of a link: bind ``spec.host:spec.port`` (0 picks a port);
+    ``unix``: a fresh abstract name (``spec.host`` is not read).
 
     Args:
         ring: for ``cuda_ipc``, the receiving ring (device, slot size) each peer gets.
@@ -38,6 +39,8 @@ def open_listener(spec: LinkSpec, *, config: DataPlaneConfig = _DEFAULT_CONFIG,
     """
     if spec.kind is TransportKind.TCP:
         return TcpListener(spec.host, spec.port, token=spec.token, config=config)
+    if spec.kind is TransportKind.UNIX:
+        return unix.UnixListener(token=spec.token, config=config)
     if spec.kind is TransportKind.CUDA_IPC:
         if ring is None:
             raise ValueError("a cuda_ipc listener needs its ring (device and slot size)")
@@ -58,7 +61,8 @@ def open_link(
     """Connect to the listener described by ``spec`` and authenticate with its token.
 
     Args:
-        spec: the peer listener's kind, address and token (``port`` must be its real port).
+        spec: the peer listener's kind, address and token (``port`` must be its real port;
+            ``unix``: ``host`` is its "unix:@<name>").
         timeout_s: upper bound on connecting plus the handshake.
         config: local limits of this end.
         device: for ``cuda_ipc`` and ``nccl``, the sender's device (where its tensors are).
@@ -67,12 +71,14 @@ def open_link(
         The linked transport.
 
     Raises:
-        ValueError: ``spec.port`` is 0.
+        ValueError: ``spec.port`` is 0 (``unix``: a malformed address).
         LinkUnreachableError, LinkRefusedError, TransportTimeout: see `TcpTransport.connect`
             (``cuda_ipc`` also refuses when the peer's ring cannot be mapped here).
         LinkClosedError: ``nccl``: the communicator could not be made.
         NotImplementedError: a transport kind this build does not implement.
     """
+    if spec.kind is TransportKind.UNIX:
+        return unix.connect(spec.host, token=spec.token, timeout_s=timeout_s, config=config)
     if spec.port == 0:
         raise ValueError("cannot connect to port 0: pass the listener's reported spec")
     if spec.kind is TransportKind.TCP:

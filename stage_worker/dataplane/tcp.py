@@ -34,13 +34,13 @@ from stage_worker.dataplane.config import (
 from stage_worker.dataplane.handshake import (
     check_token_presented,
     present_token,
+    tls_handshake,
     tune_socket,
 )
 from stage_worker.dataplane.socket_io import DeadlineExpiredError, StreamReader, send_all
 from stage_worker.dataplane.transport import (
     LinkClosedError,
     LinkListener,
-    LinkRefusedError,
     LinkUnreachableError,
     ProtocolError,
     Transport,
@@ -138,7 +138,7 @@ class TcpTransport(Transport):
         try:
             tune_socket(sock, config)
             if config.tls is not None:
-                sock = _tls_handshake(sock, config.tls.client, deadline, peer, host)
+                sock = tls_handshake(sock, config.tls.client, deadline, peer, host)
             present_token(sock, token, deadline, peer)
         except BaseException:
             sock.close()
@@ -326,42 +326,9 @@ class TcpListener(LinkListener):
         return LinkSpec(kind=TransportKind.TCP, host=host, port=port, token=self._token)
 
     def accept(self, timeout_s: float) -> TcpTransport:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if self._closed:
-                raise LinkClosedError(f"data-plane listener {self.address} is closed")
-            if remaining <= 0:
-                raise TransportTimeout(
-                    f"no authorised data-plane peer on {self.address} within {timeout_s}s",
-                    link_closed=False)
-            self._sock.settimeout(remaining)
-            try:
-                conn, addr = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as e:
-                if self._closed:
-                    raise LinkClosedError(f"data-plane listener {self.address} closed") from e
-                raise TransportError(f"accept on {self.address} failed: {e}") from e
-            peer = f"{addr[0]}:{addr[1]}"
-            with contextlib.suppress(OSError):  # a peer already gone fails the handshake below
-                tune_socket(conn, self._config)
-            wait = min(remaining, self._config.handshake_timeout_s)
-            refusal = None
-            if self._config.tls is not None:
-                try:
-                    conn = _tls_handshake(conn, self._config.tls.server,
-                                          time.monotonic() + wait, peer)
-                except TransportError as e:
-                    refusal = str(e)
-            if refusal is None:
-                refusal = check_token_presented(conn, self._token, wait)
-            if refusal is None:
-                return TcpTransport(conn, config=self._config, peer=peer)
-            logger.warning("data-plane listener %s:%d refused peer %s: %s",
-                           *self.address, peer, refusal)
-            conn.close()
+        where = f"{self._host}:{self._port}"
+        return accept_linked(self._sock, where, self._token, self._config, timeout_s,
+                             lambda: self._closed, self._config.tls is not None)
 
     def close(self) -> None:
         self._closed = True
@@ -370,31 +337,44 @@ class TcpListener(LinkListener):
         self._sock.close()
 
 
-def _tls_handshake(sock: socket.socket, context: ssl.SSLContext, deadline: float, peer: str,
-                   server_hostname: str | None = None) -> ssl.SSLSocket:
-    """`sock` wrapped in TLS, the handshake done before `deadline` (a server when
-    `server_hostname` is None; a client checks the peer's certificate names it). On failure
-    the connection is closed.
-
-    Raises:
-        LinkRefusedError: the handshake failed (no TLS on the other end, a certificate the
-            CA did not sign or that does not name the host dialled).
-        TransportTimeout: the handshake did not finish in time.
-    """
-    wrapped = context.wrap_socket(sock, server_side=server_hostname is None,
-                                  server_hostname=server_hostname,
-                                  do_handshake_on_connect=False)
-    try:
-        wrapped.settimeout(max(deadline - time.monotonic(), 1e-3))
-        wrapped.do_handshake()
-    except TimeoutError as e:
-        wrapped.close()
-        raise TransportTimeout(f"TLS handshake with data-plane peer {peer} timed out",
-                               link_closed=True) from e
-    except (ssl.SSLError, OSError) as e:
-        wrapped.close()
-        raise LinkRefusedError(f"TLS handshake with data-plane peer {peer} failed ({e}); "
-                               "every stage of the pipeline must run its data plane over TLS "
-                               "(--dataplane-tls-ca), with a certificate naming the address "
-                               "it is dialled at") from e
-    return wrapped
+def accept_linked(sock: socket.socket, where: str, token: bytes, config: DataPlaneConfig,
+                  timeout_s: float, closed: Callable[[], bool], tls: bool) -> TcpTransport:
+    """A listener's accept (`LinkListener.accept`) on the listening stream socket `sock`
+    (TCP or Unix-domain; `where` names it in errors): the first peer that passes the TLS
+    handshake (`tls`, TCP only) and presents `token` becomes the link; others are refused,
+    logged and skipped. `closed()` says whether the listener was closed meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if closed():
+            raise LinkClosedError(f"data-plane listener {where} is closed")
+        if remaining <= 0:
+            raise TransportTimeout(
+                f"no authorised data-plane peer on {where} within {timeout_s}s",
+                link_closed=False)
+        sock.settimeout(remaining)
+        try:
+            conn, addr = sock.accept()
+        except TimeoutError:
+            continue
+        except OSError as e:
+            if closed():
+                raise LinkClosedError(f"data-plane listener {where} closed") from e
+            raise TransportError(f"accept on {where} failed: {e}") from e
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else f"a peer of {where}"
+        with contextlib.suppress(OSError):  # a peer already gone fails the handshake below
+            tune_socket(conn, config)
+        wait = min(remaining, config.handshake_timeout_s)
+        refusal = None
+        if tls:
+            assert config.tls is not None
+            try:
+                conn = tls_handshake(conn, config.tls.server, time.monotonic() + wait, peer)
+            except TransportError as e:
+                refusal = str(e)
+        if refusal is None:
+            refusal = check_token_presented(conn, token, wait)
+        if refusal is None:
+            return TcpTransport(conn, config=config, peer=peer)
+        logger.warning("data-plane listener %s refused peer %s: %s", where, peer, refusal)
+        conn.close()

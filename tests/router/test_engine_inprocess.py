@@ -172,11 +172,11 @@ def test_capacity_is_the_minimum_over_stages(model_dir: Path) -> None:
         async with in_process_mesh(configs) as mesh, mesh.client() as client:
             stats = await client.stats()
             assert stats.kv_blocks_total == 300
-            assert [s.transport for s in stats.stages] == ["tcp", ""]  # CPU stages: TCP
+            assert [s.transport for s in stats.stages] == ["unix", ""]  # stages of one host
             info = await client.model_info()
             assert info.context_length == min(300 * 16, 8192)  # the pool caps the context
             assert (info.num_stages, info.block_size) == (2, 16)
-            assert list(info.hop_transports) == ["tcp"]
+            assert list(info.hop_transports) == ["unix"]
             assert info.micro_batches == 2  # the helper's: one per stage
 
     asyncio.run(run())

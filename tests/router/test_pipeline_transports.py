@@ -27,7 +27,11 @@ from router.pipeline import Pipeline, PipelineError, StageInfo
 from router.pipeline.convert import connect_request, info_from_describe, listen_request
 from router.pipeline.driver import START_RETRY_S
 from router.pipeline.shape import check_shape
-from router.pipeline.transports import choose_transport, describe_hops
+from router.pipeline.transports import (
+    choose_feedback_transport,
+    choose_transport,
+    describe_hops,
+)
 from stagemesh.cli import build_parser
 from stagemesh.cli_services import router_config
 from stagemesh.launcher import build_children
@@ -50,6 +54,8 @@ def _info(index: int, transports: tuple[str, ...] = ("tcp", "cuda_ipc"),
 TCP_ONLY = ("tcp",)
 ALL = ("tcp", "cuda_ipc", "nccl")
 NO_IPC = ("tcp", "nccl")
+CPU = ("tcp", "unix")
+GPU = ("tcp", "unix", "cuda_ipc", "nccl")
 
 
 @pytest.mark.parametrize(("up", "down", "wanted", "want"), [
@@ -78,6 +84,41 @@ NO_IPC = ("tcp", "nccl")
 def test_the_transport_chosen_for_a_hop(up: StageInfo, down: StageInfo, wanted: str,
                                         want: str) -> None:
     assert choose_transport(up, down, wanted) == want
+
+
+@pytest.mark.parametrize(("up", "down", "wanted", "want"), [
+    (_info(0, CPU), _info(1, CPU), "auto", "unix"),
+    (_info(0, GPU), _info(1, GPU), "auto", "cuda_ipc"),  # device to device first
+    (_info(0, CPU), _info(1, CPU, HOST_B), "auto", "tcp"),
+    (_info(0, GPU), _info(1, GPU, HOST_B), "auto", "nccl"),
+    (_info(0, CPU, ""), _info(1, CPU, ""), "auto", "tcp"),  # hosts unknown
+    (_info(0, CPU), _info(1, TCP_ONLY), "auto", "tcp"),
+    (_info(0, CPU), _info(1, CPU), "tcp", "tcp"),
+    (_info(0, GPU), _info(1, GPU), "unix", "unix"),
+], ids=["cpu-one-host", "gpu-one-host", "cpu-two-hosts", "gpu-two-hosts", "hosts-unknown",
+        "one-offers-tcp-only", "tcp-asked", "unix-asked"])
+def test_unix_is_chosen_inside_one_host(up: StageInfo, down: StageInfo, wanted: str,
+                                        want: str) -> None:
+    assert choose_transport(up, down, wanted) == want
+
+
+def test_unix_forced_where_a_hop_cannot_have_it_names_the_reason() -> None:
+    with pytest.raises(PipelineError, match="different hosts"):
+        choose_transport(_info(0, CPU), _info(1, CPU, HOST_B), "unix")
+    with pytest.raises(PipelineError, match=r"stage 1 does not offer it \(it offers tcp\)"):
+        choose_transport(_info(0, CPU), _info(1, TCP_ONLY), "unix")
+
+
+@pytest.mark.parametrize(("last", "first", "wanted", "want"), [
+    (_info(1, CPU), _info(0, CPU), "auto", "unix"),
+    (_info(1, CPU), _info(0, CPU), "cuda_ipc", "unix"),  # whatever the hops, when it can
+    (_info(1, CPU), _info(0, CPU), "tcp", "tcp"),
+    (_info(1, CPU, HOST_B), _info(0, CPU), "auto", "tcp"),
+    (_info(1, TCP_ONLY), _info(0, CPU), "auto", "tcp"),
+], ids=["one-host", "other-hops-asked", "tcp-asked", "two-hosts", "one-offers-tcp-only"])
+def test_the_feedback_link_is_unix_inside_one_host_unless_tcp_is_asked_for(
+        last: StageInfo, first: StageInfo, wanted: str, want: str) -> None:
+    assert choose_feedback_transport(last, first, wanted) == want
 
 
 @pytest.mark.parametrize(("up", "down", "error"), [
@@ -286,6 +327,33 @@ LISTEN_CUDA = (pb.LINK_ROLE_LISTEN_UPSTREAM, pb.TRANSPORT_CUDA_IPC)
 CONNECT_CUDA = (pb.LINK_ROLE_CONNECT_DOWNSTREAM, pb.TRANSPORT_CUDA_IPC)
 CONNECT_NCCL = (pb.LINK_ROLE_CONNECT_DOWNSTREAM, pb.TRANSPORT_NCCL)
 ALL_ENUMS = (pb.TRANSPORT_TCP, pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_NCCL)
+CPU_ENUMS = (pb.TRANSPORT_TCP, pb.TRANSPORT_UNIX)
+LISTEN_UNIX = (pb.LINK_ROLE_LISTEN_UPSTREAM, pb.TRANSPORT_UNIX)
+LISTEN_FEEDBACK_UNIX = (pb.LINK_ROLE_LISTEN_FEEDBACK, pb.TRANSPORT_UNIX)
+
+
+def test_auto_links_cpu_stages_of_one_host_over_unix_feedback_too_and_falls_back_to_tcp(
+        caplog: pytest.LogCaptureFixture) -> None:
+    stages = [FakeStage(_describe(i, 2, HOST_A, CPU_ENUMS)) for i in range(2)]
+    assert _run(stages, "auto") == ["unix"]
+    assert stages[0].asked == [("CONNECT_DOWNSTREAM", "UNIX"), ("LISTEN_FEEDBACK", "UNIX")]
+    assert stages[1].asked == [("LISTEN_UPSTREAM", "UNIX"), ("CONNECT_FEEDBACK", "UNIX")]
+    # The abstract name out of reach (another network namespace): TCP, hop and feedback.
+    stages = [FakeStage(_describe(0, 2, HOST_A, CPU_ENUMS),
+                        {LISTEN_FEEDBACK_UNIX: grpc.StatusCode.UNAVAILABLE}),
+              FakeStage(_describe(1, 2, HOST_A, CPU_ENUMS),
+                        {LISTEN_UNIX: grpc.StatusCode.UNAVAILABLE})]
+    with caplog.at_level(logging.INFO, "stagemesh.router"):
+        assert _run(stages, "auto") == ["tcp"]
+    assert stages[0].asked == [("CONNECT_DOWNSTREAM", "TCP"), ("LISTEN_FEEDBACK", "UNIX"),
+                               ("LISTEN_FEEDBACK", "TCP")]
+    assert stages[1].asked == [("LISTEN_UPSTREAM", "UNIX"), ("LISTEN_UPSTREAM", "TCP"),
+                               ("CONNECT_FEEDBACK", "TCP")]
+    assert "hop 0->1: the unix link failed (UNAVAILABLE" in caplog.text
+    assert "feedback link: the unix link failed (UNAVAILABLE" in caplog.text
+    stages = [FakeStage(_describe(i, 2, HOST_A, CPU_ENUMS)) for i in range(2)]
+    assert _run(stages, "tcp") == ["tcp"]  # tcp asked: no unix anywhere
+    assert stages[0].asked == [("CONNECT_DOWNSTREAM", "TCP"), ("LISTEN_FEEDBACK", "TCP")]
 
 
 def test_auto_links_over_nccl_across_hosts_and_falls_back_to_tcp_when_it_fails(

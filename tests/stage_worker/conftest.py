@@ -19,9 +19,11 @@ def tiny_checkpoint(request: pytest.FixtureRequest,
     return out, write_tiny_checkpoint(request.param, out)
 
 
-@pytest.fixture
-def link() -> Iterator[tuple[TcpTransport, TcpTransport]]:
-    sender, receiver = linked_pair()
+@pytest.fixture(params=["tcp", "unix"])
+def link(request: pytest.FixtureRequest) -> Iterator[tuple[TcpTransport, TcpTransport]]:
+    """(sender, receiver) of one link, over loopback TCP and over a Unix-domain socket: the
+    same stream either way."""
+    sender, receiver = linked_pair(kind=request.param)
     yield sender, receiver
     sender.close()
     receiver.close()

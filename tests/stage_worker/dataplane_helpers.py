@@ -21,6 +21,8 @@ from stage_worker.dataplane import (
     Transport,
     new_link_token,
 )
+from stage_worker.dataplane.unix import UnixListener
+from stage_worker.dataplane.unix import connect as unix_connect
 from stage_worker.dataplane.wire import encode_hello
 
 HOST = "127.0.0.1"
@@ -47,15 +49,23 @@ def call_within(seconds: float, fn: Callable[[], Any]) -> Any:
     return box.get("value")
 
 
-def linked_pair(config: DataPlaneConfig | None = None) -> tuple[TcpTransport, TcpTransport]:
-    """(connector end, accepted end) of one authenticated loopback link."""
+def linked_pair(config: DataPlaneConfig | None = None,
+                kind: str = "tcp") -> tuple[TcpTransport, TcpTransport]:
+    """(connector end, accepted end) of one authenticated link: over loopback TCP, or
+    (`kind` "unix") a Unix-domain socket."""
     config = config or DataPlaneConfig()
-    with TcpListener(HOST, token=TOKEN, config=config) as listener:
+    listener: TcpListener | UnixListener = (
+        UnixListener(token=TOKEN, config=config) if kind == "unix"
+        else TcpListener(HOST, token=TOKEN, config=config))
+    with listener:
         accepted: dict[str, Transport] = {}
         thread = threading.Thread(target=lambda: accepted.update(t=listener.accept(10)))
         thread.start()
-        sender = TcpTransport.connect(HOST, listener.address[1], token=TOKEN, timeout_s=10,
-                                      config=config)
+        if isinstance(listener, UnixListener):
+            sender = unix_connect(listener.address, token=TOKEN, timeout_s=10, config=config)
+        else:
+            sender = TcpTransport.connect(HOST, listener.address[1], token=TOKEN,
+                                          timeout_s=10, config=config)
         thread.join(10)
     receiver = accepted["t"]
     assert isinstance(receiver, TcpTransport)

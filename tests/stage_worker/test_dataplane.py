@@ -51,8 +51,11 @@ def test_every_dtype_round_trips_bit_exact(link: tuple[TcpTransport, TcpTranspor
                                            dtype: torch.dtype) -> None:
     sender, receiver = link
     tensors = [random_bits((128, 576), dtype), random_bits((3,), dtype, seed=1)]
-    sender.send(11, tensors)
+    # Sent from another thread: 590 KB (int64) may be more than a link buffers unread.
+    sending = threading.Thread(target=sender.send, args=(11, tensors))
+    sending.start()
     assert_bit_exact(tensors, receiver.recv(11, timeout_s=5))
+    sending.join(5)
 
 
 def test_awkward_tensors_in_one_message(link: tuple[TcpTransport, TcpTransport]) -> None:

@@ -170,11 +170,11 @@ def test_plans_sent_ahead_run_in_order_and_a_failure_skips_the_rest(checkpoint: 
     assert ran == [0, 1, 2]
 
 
-def test_a_cpu_stage_offers_tcp_and_refuses_other_transports_naming_them(
+def test_a_cpu_stage_offers_tcp_and_unix_and_refuses_other_transports_naming_them(
         checkpoint: Path) -> None:
     """Describe lists what the stage offers and where it runs; a Connect for a transport the
-    stage does not offer (cuda_ipc and nccl on CPU), or for a feedback link other than tcp,
-    is refused with the status and the names; tcp still links after."""
+    stage does not offer (cuda_ipc and nccl on CPU), or for a feedback link other than tcp
+    or unix, is refused with the status and the names; tcp and unix still listen after."""
     cfg = StageConfig(checkpoint, model_impl="null", stage_index=1, num_stages=2)
 
     def listen(transport: int, role: int = pb.LINK_ROLE_LISTEN_UPSTREAM) -> pb.ConnectRequest:
@@ -191,18 +191,21 @@ def test_a_cpu_stage_offers_tcp_and_refuses_other_transports_naming_them(
                     await stub.Connect(request)
                 errors.append((e.value.code(), e.value.details() or ""))
             ok = await stub.Connect(listen(pb.TRANSPORT_TCP))
-            return info, errors, ok.address
+            unix = await stub.Connect(listen(pb.TRANSPORT_UNIX))
+            return info, errors, ok.address + " " + unix.address
 
     info, errors, address = asyncio.run(body())
-    assert list(info.transports) == [pb.TRANSPORT_TCP]
+    assert list(info.transports) == [pb.TRANSPORT_TCP, pb.TRANSPORT_UNIX]
     assert info.host_id and "/" in info.host_id
+    offers = "(it offers TRANSPORT_TCP, TRANSPORT_UNIX)"
     assert errors[0] == (grpc.StatusCode.FAILED_PRECONDITION, "transport TRANSPORT_CUDA_IPC "
-                         "is not offered by this stage (it offers TRANSPORT_TCP)")
+                         f"is not offered by this stage {offers}")
     assert errors[1] == (grpc.StatusCode.FAILED_PRECONDITION, "transport TRANSPORT_NCCL "
-                         "is not offered by this stage (it offers TRANSPORT_TCP)")
+                         f"is not offered by this stage {offers}")
     assert errors[2] == (grpc.StatusCode.INVALID_ARGUMENT,
-                         "the feedback link is TRANSPORT_TCP only")
-    assert address.startswith("127.0.0.1:")
+                         "the feedback link is TRANSPORT_TCP or TRANSPORT_UNIX")
+    tcp, unix = address.split()
+    assert tcp.startswith("127.0.0.1:") and unix.startswith("unix:@stagemesh-dataplane-")
 
 
 def test_a_stage_stopping_as_its_run_stream_ends_still_reports_what_it_dropped(
