@@ -59,9 +59,12 @@ def test_the_manifest_commands_serve_a_chat_completion() -> None:
     procs = [Proc([*cmd, *_with(s, port=str(control[i]), dataplane_port=str(dataplane[i]),
                                 metrics_port=str(metrics[i]))])
              for i, s in enumerate(stages)]
+    # In the cluster each stage is a pod of its own (its own host id), so `--transport auto`
+    # links every hop over tcp through the fixed data-plane port; here the stages share a
+    # host, where auto would take unix, so the router is asked for the cluster's choice.
     procs.append(Proc([*cmd, *_with(
         router, port=str(router_port), metrics_port=str(metrics[-1]),
-        stages=",".join(f"127.0.0.1:{p}" for p in control))]))
+        stages=",".join(f"127.0.0.1:{p}" for p in control)), "--transport", "tcp"]))
     procs.append(Proc([*cmd, *_with(gateway, port=str(http_port),
                                     router=f"127.0.0.1:{router_port}")]))
     base = f"http://127.0.0.1:{http_port}"

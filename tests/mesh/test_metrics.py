@@ -119,9 +119,9 @@ def test_stages_count_the_same_steps_and_the_second_waits_for_the_first(
         sample(second, "stagemesh_stage_tokens_total")
     assert sample(first, "stagemesh_stage_layers_info", start="0", end="18") == 1
     assert sample(second, "stagemesh_stage_layers_info", start="18", end="30") == 1
-    # the hop: stage 0 sends every step's activations over tcp
-    assert sample(first, "stagemesh_stage_hop_send_seconds_count", transport="tcp") == steps
-    assert sample(second, "stagemesh_stage_hop_send_seconds_count", transport="tcp") is None
+    # the hop: stage 0 sends every step's activations over unix (two processes of one host)
+    assert sample(first, "stagemesh_stage_hop_send_seconds_count", transport="unix") == steps
+    assert sample(second, "stagemesh_stage_hop_send_seconds_count", transport="unix") is None
     # stage 1 waits for stage 0's compute on every step: a bubble
     assert (sample(second, "stagemesh_stage_input_wait_seconds_sum") or 0) > 0
     assert 0 < (sample(second, "stagemesh_stage_bubble_fraction") or 0) <= 1
@@ -146,7 +146,7 @@ def test_get_stats_and_status_show_each_stage_live(
     assert first.steps == second.steps == steps
     assert first.step_time_ms > 0 and second.step_time_ms > 0
     assert 0 < second.bubble_fraction <= 1
-    assert (first.transport, second.transport) == ("tcp", "")
+    assert (first.transport, second.transport) == ("unix", "")
     lines = seen.status.splitlines()
     assert lines[0].startswith(f"router {scraped[0].address}: 0 running, 0 waiting")
     header = lines[2].split()
@@ -154,5 +154,5 @@ def test_get_stats_and_status_show_each_stage_live(
                       "steps", "step", "ms", "bubble", "hop"]
     rows = [line.split() for line in lines[3:]]
     assert [r[:4] for r in rows] == [["0", "0-17", "cpu", "yes"], ["1", "18-29", "cpu", "yes"]]
-    assert [r[-1] for r in rows] == ["tcp", "-"]
+    assert [r[-1] for r in rows] == ["unix", "-"]
     assert rows[1][-2].endswith("%") and 0 < int(rows[1][-2][:-1]) <= 100  # a moment later

@@ -122,7 +122,7 @@ def test_one_http_request_is_one_connected_trace(traced: tuple[Mesh, OtlpSink]) 
         assert a["stagemesh.step.id"] == _attrs(first)["stagemesh.step.id"]
         assert router.start_time_unix_nano <= span.start_time_unix_nano \
             <= span.end_time_unix_nano <= router.end_time_unix_nano
-    assert _attrs(first)["stagemesh.hop.transport"] == "tcp"
+    assert _attrs(first)["stagemesh.hop.transport"] == "unix"  # two processes of one host
     assert "stagemesh.hop.transport" not in _attrs(second)  # the last stage samples
     assert _attrs(second)["stagemesh.stage.input_wait_ms"] > 0  # it waited for stage 0
 

@@ -89,12 +89,12 @@ def test_bad_descriptors_are_protocol_errors(desc: list[torch.Tensor]) -> None:
         decode_descriptor(desc, slots=4, slot_bytes=1024)
 
 
-def test_a_cpu_stage_offers_tcp_only_and_refuses_cuda_ipc_when_asked() -> None:
+def test_a_cpu_stage_offers_no_cuda_ipc_and_refuses_it_when_asked() -> None:
     cpu = torch.device("cpu")
     assert "not a CUDA device" in (unavailable_reason(cpu) or "")
     ring = ring_config(cpu, 2048, 576, torch.float32)
     assert ring is None
-    assert offered_transports("auto", ring) == (TransportKind.TCP,)
+    assert offered_transports("auto", ring) == (TransportKind.TCP, TransportKind.UNIX)
     assert offered_transports("tcp", ring) == (TransportKind.TCP,)
     with pytest.raises(ValueError, match="cuda_ipc needs a CUDA device"):
         offered_transports("cuda_ipc", ring)
@@ -106,8 +106,8 @@ def test_a_ring_holds_the_largest_step_in_every_form() -> None:
     gpu = torch.device("cuda", 0)  # a RingConfig is sizes only: no CUDA call here
     assert RingConfig(gpu, 1).total_bytes == 2 << 20  # IPC shares 2 MiB-aligned memory
     slot = 4096 * 4096 * 2 + 64 * TENSOR_ALIGN
-    assert offered_transports("auto", RingConfig(gpu, slot)) == (TransportKind.TCP,
-                                                                 TransportKind.CUDA_IPC)
+    assert offered_transports("auto", RingConfig(gpu, slot)) == (
+        TransportKind.TCP, TransportKind.UNIX, TransportKind.CUDA_IPC)
     t, h = 4096, 4096
     for form in ([torch.zeros(t, h, dtype=torch.bfloat16)],  # as computed
                  [torch.zeros(t, h, dtype=torch.int8),  # int8 + a scale per 64 channels

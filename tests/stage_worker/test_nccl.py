@@ -98,9 +98,9 @@ def test_bad_descriptors_are_protocol_errors(desc: list[torch.Tensor]) -> None:
 
 def test_a_cpu_stage_does_not_offer_nccl_and_refuses_it_when_asked() -> None:
     assert unavailable_reason(CPU) == "the stage runs on cpu, not a CUDA device"
-    assert offered_transports("auto", None, None) == (TransportKind.TCP,)
+    assert offered_transports("auto", None, None) == (TransportKind.TCP, TransportKind.UNIX)
     assert offered_transports("auto", None, torch.device("cuda", 0)) == (
-        TransportKind.TCP, TransportKind.NCCL)
+        TransportKind.TCP, TransportKind.UNIX, TransportKind.NCCL)
     assert offered_transports("nccl", None, torch.device("cuda", 0)) == (TransportKind.NCCL,)
     with pytest.raises(ValueError, match="--transport nccl needs a CUDA device"):
         offered_transports("nccl", None, None)
