@@ -1,9 +1,10 @@
-"""Faults inside a running mesh, in process (real gRPC servers, the real TCP data plane,
-the null model, whose last stage answers token (seq_id + tokens already output) mod vocab,
-so a stream's fault-free tokens are known): a data-plane link cut under a live pipeline,
-and a last stage that answers with a wrong step id. Each is detected and named (the
-pipeline goes down), the router re-links and re-prefills, and every stream ends with its
-fault-free tokens; KV returns to idle on the router and on every stage."""
+"""Faults inside a running mesh, in process (real gRPC servers, the real data plane: a unix
+link, the stages sharing a host; the null model, whose last stage answers token (seq_id +
+tokens already output) mod vocab, so a stream's fault-free tokens are known): a data-plane
+link cut under a live pipeline, and a last stage that answers with a wrong step id. Each is
+detected and named (the pipeline goes down), the router re-links and re-prefills, and every
+stream ends with its fault-free tokens; KV returns to idle on the router and on every
+stage."""
 
 from __future__ import annotations
 
