@@ -122,7 +122,7 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
 
 
 def tls_handshake(sock: socket.socket, context: ssl.SSLContext, deadline: float, peer: str,
-                   server_hostname: str | None = None) -> ssl.SSLSocket:
+                  server_hostname: str | None = None) -> ssl.SSLSocket:
     """`sock` wrapped in TLS, the handshake done before `deadline` (a server when
     `server_hostname` is None; a client checks the peer's certificate names it). On failure
     the connection is closed.
