@@ -80,9 +80,12 @@ def test_a_peer_that_never_speaks_is_refused_without_blocking_the_listener() -> 
         silent.connect("\0" + name_of(listener.address))
         good = connect(listener.address, token=TOKEN, timeout_s=5)
         thread.join(5)
+        silent.settimeout(5)
+        assert silent.recv(4) in (b"SMNO", b"")  # dropped after its handshake time
         silent.close()
-    good.close()
-    accepted["t"].close()
+    with good, accepted["t"] as peer:  # the link accepted is the one that spoke
+        good.send(1, [torch.tensor([3])])
+        assert peer.recv(1, timeout_s=5)[0].item() == 3
 
 
 def test_accept_times_out_and_a_close_wakes_a_blocked_accept() -> None:
