@@ -7,11 +7,12 @@ process as the clients: `--seqs` Generate streams, read as fast as they come. Wh
 costs a step, any mesh of this shape pays before it schedules, converts, checks, samples or
 detokenizes anything. The messages are W6's: plans `--plans-per-message` at a time (the
 mesh averages about 4) with `--window` steps in flight, one answer a step, the activation
-hop ([rows, hidden] fp32) and the sampled ids' hop on TCP, one core -> front message a
-step, and a client response every `--stream-interval` tokens of a sequence. (The mesh's
-stage 0 now reads the sampled ids on its step thread, with no feedback thread; the skeleton
-keeps that thread, the shape its floor was measured with: docs/BENCHMARKS.md, W6.)
-
+hop ([rows, hidden] fp32) and the sampled ids' hop on a Unix-domain socket, as the mesh's
+stages of one host link them (`--hops tcp`: loopback TCP, the floor's shape until
+2026-12-07), one core -> front message a step, and a client response every
+`--stream-interval` tokens of a sequence. (The mesh's stage 0 now reads the sampled ids on
+its step thread, with no feedback thread; the skeleton keeps that thread, the shape its
+floor was measured with: docs/BENCHMARKS.md, W6.)
 Steps per second and each process's CPU per step over `--window-s` seconds, beside the
 machine's Python speed (`report.python_ns_per_op`). Against W6 (`benchmarks.control_plane`)
 in the same hour: the part of a W6 step no code of ours can remove without changing the
@@ -78,7 +79,8 @@ async def _clients(port: int, seqs: int, steps: Any, pids: dict[str, int],
 
 
 def measure(seqs: int, micro_batches: int, hidden: int, interval: int, window: int,
-            per_message: int, window_s: float, run_dir: Path) -> dict[str, Any]:
+            per_message: int, window_s: float, run_dir: Path, hops: str = "unix"
+            ) -> dict[str, Any]:
     """One skeleton mesh up, measured, and down."""
     ctx = mp.get_context("spawn")
     rows = seqs // micro_batches
@@ -91,12 +93,12 @@ def measure(seqs: int, micro_batches: int, hidden: int, interval: int, window: i
         listening, ready = ctx.Event(), [ctx.Event(), ctx.Event()]
         procs["stage 1"] = ctx.Process(target=stage_main, args=(
             1, stage_ports[1], data_port, feedback_port, rows, hidden, micro_batches,
-            listening, ready[1]))
+            listening, ready[1], hops))
         procs["stage 1"].start()
         listening.wait(30)
         procs["stage 0"] = ctx.Process(target=stage_main, args=(
             0, stage_ports[0], data_port, feedback_port, rows, hidden, micro_batches,
-            listening, ready[0]))
+            listening, ready[0], hops))
         procs["stage 0"].start()
         if not all(r.wait(30) for r in ready):
             raise RuntimeError("the skeleton stages did not come up in 30 s")
@@ -130,6 +132,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=6, help="steps in flight (the core's)")
     ap.add_argument("--plans-per-message", type=int, default=4)
     ap.add_argument("--window-s", type=float, default=6.0)
+    ap.add_argument("--hops", choices=("unix", "tcp"), default="unix",
+                    help="the activation and feedback hops' sockets")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/w6-floor-{dt.date.today()}.json"))
     args = ap.parse_args()
@@ -137,14 +141,15 @@ def main() -> None:
         "benchmark": "W6 floor: the mesh's processes and messages, no logic",
         "grpc": grpc.__version__, "cpus": os.cpu_count(), "seqs": args.seqs,
         "micro_batches": args.micro_batches, "hidden": args.hidden, "window": args.window,
-        "plans_per_message": args.plans_per_message, "revision": git_revision(),
+        "plans_per_message": args.plans_per_message, "hops": args.hops,
+        "revision": git_revision(),
         "python_ns_per_op_before": round(python_ns_per_op(), 1)}
     print(config, flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="stagemesh-w6-floor-") as run_dir:
         for interval in (int(x) for x in args.stream_interval.split(",")):
             got = measure(args.seqs, args.micro_batches, args.hidden, interval, args.window,
-                          args.plans_per_message, args.window_s, Path(run_dir))
+                          args.plans_per_message, args.window_s, Path(run_dir), args.hops)
             rows.append({"stream_interval": interval, **got})
             print(rows[-1], flush=True)
     config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)

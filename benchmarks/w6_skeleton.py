@@ -6,9 +6,9 @@
   step back to the event loop, one wake-up for all that are ready.
   - Stage 0's step waits for the tokens of step k - micro_batches from its feedback thread
     (run-ahead), then sends the step's activations ([rows, hidden] fp32) to stage 1 over
-    TCP.
-  - Stage 1's step receives them and sends the step's sampled ids back to stage 0 over
-    TCP. Its loop answers each step with a `StepResult` of the ids (the ones ready
+    TCP or, as the mesh's stages of one host link now, a Unix-domain socket (`hops`).
+  - Stage 1's step receives them and sends the step's sampled ids back to stage 0 the
+    same way. Its loop answers each step with a `StepResult` of the ids (the ones ready
     together in one message).
 - `core_main`: the engine core, which keeps a window of steps in flight on both stages'
   Run streams and writes one message per answered step to the front over a Unix-domain
@@ -26,6 +26,7 @@ detokenization. The framings are the skeleton's own (a 16-byte header on the dat
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import threading
@@ -41,6 +42,7 @@ from protos.stagemesh.stage.v1 import stage_pb2 as stage_pb
 from protos.stagemesh.stage.v1 import stage_pb2_grpc as stage_grpc
 from protos.stagemesh.v1 import inference_pb2 as pb
 from protos.stagemesh.v1 import inference_pb2_grpc as pb_grpc
+from stage_worker.dataplane.handshake import UNIX_SEND_BUFFER_BYTES
 
 _HEADER = struct.Struct("<qq")  # step id, payload bytes: a data-plane message's framing
 _LENGTH = struct.Struct("<I")  # the core -> front stream's framing
@@ -145,24 +147,48 @@ class _StageSkeleton(stage_grpc.StageServiceServicer):
 
 
 def stage_main(index: int, port: int, data_port: int, feedback_port: int, rows: int,
-               hidden: int, lag: int, listening: Any, ready: Any) -> None:
+               hidden: int, lag: int, listening: Any, ready: Any, hops: str = "tcp") -> None:
     """Stage `index` (0 or 1) of the skeleton, serving `Run` on `port`; `listening` is set
-    once stage 1 takes stage 0's activation link, `ready` once the stage serves."""
+    once stage 1 takes stage 0's activation link, `ready` once the stage serves. `hops`:
+    "tcp" (loopback) or "unix" (an abstract name made from the port; the send buffer the
+    mesh's `unix` transport asks for)."""
     # Stage 1 listens for activations, stage 0 for feedback; each connects to the other.
     if index == 1:
-        listener = socket.create_server(("127.0.0.1", data_port))
+        listener = _listen(hops, data_port)
         listening.set()  # stage 0 may connect its activations
         data, _ = listener.accept()
-        feedback = socket.create_connection(("127.0.0.1", feedback_port))
+        feedback = _connect(hops, feedback_port)
     else:
-        listener = socket.create_server(("127.0.0.1", feedback_port))
-        data = socket.create_connection(("127.0.0.1", data_port))
+        listener = _listen(hops, feedback_port)
+        data = _connect(hops, data_port)
         feedback, _ = listener.accept()
     for s in (data, feedback):
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hops == "unix":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
+        else:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     stage = _StageSkeleton(index == 1, data, feedback, rows, hidden, lag)
     serve(lambda server: stage_grpc.add_StageServiceServicer_to_server(stage, server), port,
           ready)
+
+
+def _listen(hops: str, port: int) -> socket.socket:
+    """A listener of the hop kind; a unix name is the benchmark's pid (every skeleton
+    process's parent) and the port, so runs side by side never meet."""
+    if hops == "tcp":
+        return socket.create_server(("127.0.0.1", port))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(f"\0stagemesh-w6-floor-{os.getppid()}-{port}")
+    sock.listen(1)
+    return sock
+
+
+def _connect(hops: str, port: int) -> socket.socket:
+    if hops == "tcp":
+        return socket.create_connection(("127.0.0.1", port))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(f"\0stagemesh-w6-floor-{os.getppid()}-{port}")
+    return sock
 
 
 def _plan_batch(rows: int) -> stage_pb.CachedBatch:
