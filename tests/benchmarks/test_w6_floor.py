@@ -5,13 +5,17 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
+
 from benchmarks.w6_floor import measure
 
 
-def test_the_skeleton_mesh_steps_and_streams(tmp_path: Path) -> None:
-    # 8 sequences in 2 micro-batches of 4, a response every 2 tokens: every part works.
+@pytest.mark.parametrize("hops", ["unix", "tcp"])
+def test_the_skeleton_mesh_steps_and_streams(tmp_path: Path, hops: str) -> None:
+    # 8 sequences in 2 micro-batches of 4, a response every 2 tokens: every part works,
+    # with the hops on either kind of socket.
     got = measure(seqs=8, micro_batches=2, hidden=16, interval=2, window=4, per_message=2,
-                  window_s=0.5, run_dir=tmp_path)
+                  window_s=0.5, run_dir=tmp_path, hops=hops)
     assert got["steps_per_s"] > 0
     # Each step gives 4 sequences a token, and each token reaches a client.
     assert got["tokens_per_s"] > 0
