@@ -35,9 +35,11 @@ import argparse
 import asyncio
 import datetime as dt
 import functools
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -54,7 +56,9 @@ from benchmarks.report import (
     wakeups,
     write_json,
 )
+from benchmarks.w6_floor import measure as measure_floor
 from foundation.grpc_core import EXPERIMENTS_ENV, apply_defaults
+from foundation.modelstore.store import resolve_model
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
 
@@ -181,6 +185,19 @@ def micro_batches(asked: int, stages: int) -> int:
     return stages if asked < 0 else min(asked, stages)
 
 
+def floor(model: str, seqs: int, micro_batches: int, interval: int, steps_per_s: float,
+          window_s: float = 6.0) -> dict[str, Any]:
+    """The 2-stage floor run right after a W6 run: its steps/s, CPU a step by part, and
+    the W6 run's share of it."""
+    hidden = json.loads((resolve_model(model) / "config.json").read_text())["hidden_size"]
+    with tempfile.TemporaryDirectory(prefix="stagemesh-w6-floor-") as run_dir:
+        got = measure_floor(seqs, micro_batches, hidden, interval, window=6, per_message=4,
+                            window_s=window_s, run_dir=Path(run_dir), hops="unix")
+    return {"floor_steps_per_s": got["steps_per_s"],
+            "floor_cpu_us_per_step_by_part": got["cpu_us_per_step_by_part"],
+            "vs_floor": steps_per_s / got["steps_per_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--stages", default="1,2")
@@ -205,6 +222,12 @@ def main() -> None:
                     help="gRPC core's setting in this process, the client: gRPC's own "
                          "defaults (as W6 has run since it was defined), or the one every mesh "
                          "process runs (`foundation.grpc_core`; this process restarts with it)")
+    ap.add_argument("--floor", action="store_true",
+                    help="after each 2-stage run, its floor (`benchmarks.w6_floor`: the "
+                         "mesh's processes passing the same messages with no logic, hops "
+                         "over unix) at the same sequences, micro-batches and interval: "
+                         "`floor_steps_per_s` and `vs_floor` beside steps/s, which the VM's "
+                         "speed moves far less than steps/s alone")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/w6-{dt.date.today()}.json"))
     args = ap.parse_args()
@@ -216,7 +239,7 @@ def main() -> None:
                               "seqs": args.seqs, "tp": 1, "stream_interval": args.stream_interval,
                               "metrics": not args.no_metrics, "extra": args.extra,
                               "micro_batches": args.micro_batches,
-                              "client_grpc": args.client_grpc,
+                              "client_grpc": args.client_grpc, "floor": args.floor,
                               "client_grpc_experiments": os.environ.get(EXPERIMENTS_ENV),
                               "revision": git_revision(),
                               "python_ns_per_op_before": round(python_ns_per_op(), 1)}
@@ -236,6 +259,9 @@ def main() -> None:
             result = asyncio.run(measure(mesh.address, args.seqs, args.window, cpu, woken,
                                          probes, preempted))
         rows.append({"stages": p, "micro_batches": mb, **result})
+        if args.floor and p == 2:
+            rows[-1].update(floor(args.model, args.seqs, mb, args.stream_interval,
+                                  result["steps_per_s"]))
         print(rows[-1], flush=True)
     config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)
     base = rows[0]["steps_per_s"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.control_plane import client_restart_env, cpu_over
+import pytest
+
+from benchmarks.control_plane import client_restart_env, cpu_over, floor
 from foundation.grpc_core import EXPERIMENTS_ENV, LEGACY_IO
 
 
@@ -22,3 +24,14 @@ def test_the_client_restarts_on_the_mesh_grpc_setting_only_when_asked_and_unset(
     assert client_restart_env("mesh", {EXPERIMENTS_ENV: ""}) is None  # the operator's value
     assert client_restart_env("mesh", {EXPERIMENTS_ENV: LEGACY_IO}) is None  # restarted
     assert client_restart_env("default", {}) is None
+
+
+def test_the_floor_beside_a_run_is_the_skeleton_at_the_model_width() -> None:
+    """`--floor`: the skeleton comes up at the default model's width, and the run's share
+    of it is its steps/s over the floor's."""
+    got = floor("default", seqs=8, micro_batches=2, interval=2, steps_per_s=100.0,
+                window_s=0.5)
+    assert got["floor_steps_per_s"] > 0
+    assert got["vs_floor"] == pytest.approx(100.0 / got["floor_steps_per_s"])
+    assert set(got["floor_cpu_us_per_step_by_part"]) == {"stage 0", "stage 1", "engine core",
+                                                         "front", "client"}
