@@ -114,9 +114,10 @@ def measure(seqs: int, micro_batches: int, hidden: int, interval: int, window: i
             raise RuntimeError("the skeleton mesh did not come up in 30 s")
         pids = {role: p.pid for role, p in procs.items()}
         return asyncio.run(_clients(front_port, seqs, steps, pids, window_s))
-    finally:
+    finally:  # all killed before any is waited for, so none lives on to report the others
         for p in procs.values():
             p.kill()
+        for p in procs.values():
             p.join(5)
 
 
