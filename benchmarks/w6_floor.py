@@ -13,6 +13,7 @@ stages of one host link them (`--hops tcp`: loopback TCP, the floor's shape unti
 `--stream-interval` tokens of a sequence. (The mesh's stage 0 now reads the sampled ids on
 its step thread, with no feedback thread; the skeleton keeps that thread, the shape its
 floor was measured with: docs/BENCHMARKS.md, W6.)
+
 Steps per second and each process's CPU per step over `--window-s` seconds, beside the
 machine's Python speed (`report.python_ns_per_op`). Against W6 (`benchmarks.control_plane`)
 in the same hour: the part of a W6 step no code of ours can remove without changing the
