@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import datetime as dt
 import functools
-import json
 import os
 import statistics
 import sys
@@ -58,6 +57,7 @@ from benchmarks.report import (
 )
 from benchmarks.w6_floor import measure as measure_floor
 from foundation.grpc_core import EXPERIMENTS_ENV, apply_defaults
+from foundation.model_config import ModelConfig
 from foundation.modelstore.store import resolve_model
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh
@@ -189,7 +189,7 @@ def floor(model: str, seqs: int, micro_batches: int, interval: int, steps_per_s:
           window_s: float = 6.0) -> dict[str, Any]:
     """The 2-stage floor run right after a W6 run: its steps/s, CPU a step by part, and
     the W6 run's share of it."""
-    hidden = json.loads((resolve_model(model) / "config.json").read_text())["hidden_size"]
+    hidden = ModelConfig.from_dir(resolve_model(model)).hidden_size
     with tempfile.TemporaryDirectory(prefix="stagemesh-w6-floor-") as run_dir:
         got = measure_floor(seqs, micro_batches, hidden, interval, window=6, per_message=4,
                             window_s=window_s, run_dir=Path(run_dir), hops="unix")

@@ -147,7 +147,7 @@ class _StageSkeleton(stage_grpc.StageServiceServicer):
 
 
 def stage_main(index: int, port: int, data_port: int, feedback_port: int, rows: int,
-               hidden: int, lag: int, listening: Any, ready: Any, hops: str = "tcp") -> None:
+               hidden: int, lag: int, listening: Any, ready: Any, hops: str) -> None:
     """Stage `index` (0 or 1) of the skeleton, serving `Run` on `port`; `listening` is set
     once stage 1 takes stage 0's activation link, `ready` once the stage serves. `hops`:
     "tcp" (loopback) or "unix" (an abstract name made from the port; the send buffer the
@@ -172,13 +172,17 @@ def stage_main(index: int, port: int, data_port: int, feedback_port: int, rows: 
           ready)
 
 
+def _unix_name(port: int) -> str:
+    """A hop's abstract name: the benchmark's pid (every skeleton process's parent) and the
+    port, so runs side by side never meet."""
+    return f"\0stagemesh-w6-floor-{os.getppid()}-{port}"
+
+
 def _listen(hops: str, port: int) -> socket.socket:
-    """A listener of the hop kind; a unix name is the benchmark's pid (every skeleton
-    process's parent) and the port, so runs side by side never meet."""
     if hops == "tcp":
         return socket.create_server(("127.0.0.1", port))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(f"\0stagemesh-w6-floor-{os.getppid()}-{port}")
+    sock.bind(_unix_name(port))
     sock.listen(1)
     return sock
 
@@ -187,7 +191,7 @@ def _connect(hops: str, port: int) -> socket.socket:
     if hops == "tcp":
         return socket.create_connection(("127.0.0.1", port))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(f"\0stagemesh-w6-floor-{os.getppid()}-{port}")
+    sock.connect(_unix_name(port))
     return sock
 
 
