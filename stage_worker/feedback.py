@@ -248,6 +248,22 @@ class FeedbackStore:
         return tokens
 
 
+def same_order_inputs(ahead: Sequence[tuple[int, int, int]], num_rows: int,
+                      store: FeedbackStore) -> torch.Tensor | None:
+    """The input ids [T] of a step whose every row is a run-ahead input sampled at one step,
+    in the order that step sampled them (a one-stage pipeline's steady decode): a copy of
+    that step's ids on the device; None for any other step (`gather_device_inputs` then).
+    `ahead`: (row, seq_id, step) from `HeldSeqs.apply` or a lane, `num_rows` T."""
+    if len(ahead) != num_rows:
+        return None
+    rows, seq_ids, steps = zip(*ahead, strict=True)
+    tokens = store.get(steps[0])
+    if (tokens is None or tokens.device_ids is None or tokens.seq_ids != seq_ids
+            or steps.count(steps[0]) != num_rows or rows != tuple(range(num_rows))):
+        return None
+    return tokens.device_ids.clone()
+
+
 def gather_device_inputs(inputs: torch.Tensor, ahead: Sequence[tuple[int, int, int]],
                          store: FeedbackStore) -> None:
     """Overwrite the run-ahead rows of `inputs` [T] (int64, on the device) with the tokens

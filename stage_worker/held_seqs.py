@@ -8,7 +8,7 @@ outputs) keep token ids; a middle stage keeps block tables and counts only.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -190,6 +190,11 @@ class HeldSeqs:
                 index = unfilled.pop(seq_id, None)
                 if index is not None:
                     state.token_ids[index] = token_id
+
+    def defer(self, seq_ids: Sequence[int], indices: Iterable[int]) -> None:
+        """`seq_ids[i]`'s history holds a placeholder at `indices[i]`, a run-ahead input
+        applied before the step that sampled it was resolved: `record_sampled` fills it."""
+        self._unfilled.update(zip(seq_ids, indices, strict=True))
 
     def fill_inputs(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> None:
         """The first stage of several learned the run-ahead tokens of a step it applied

@@ -26,9 +26,11 @@ The first stage's known tokens need no look: each sequence's history grew by the
 step's input, so it holds the input of the continuation's position too. The batch's size
 was checked against the limits when the lane's step was.
 
-Lanes serve the pipelines whose stage applies a plan in one place: TP size 1, and a stage
-of a pipeline of several (a one-stage pipeline overlaps its steps, with inputs still on the
-device; see `StageLeader.step_overlapped`).
+Lanes serve the stages that apply a plan in one place: TP size 1. In a one-stage pipeline
+(`on_device`), which overlaps its steps (`StageLeader.step_overlapped`), a run-ahead
+continuation applied before its lane's step is resolved gives each history a placeholder
+that `HeldSeqs.record_sampled` fills, and its inputs are the ids that step left on the
+device (`StepInputs.ahead`), as `HeldSeqs.apply` does.
 """
 
 from __future__ import annotations
@@ -91,15 +93,17 @@ class Lane:
 
 class Lanes:
     """The lanes of one stage's held sequences, by their sequence ids as sent (see the
-    module). `enabled` False: `match` finds none and `note` keeps none."""
+    module). `enabled` False: `match` finds none and `note` keeps none. `on_device`: a
+    one-stage pipeline's, whose run-ahead inputs are on the device."""
 
     def __init__(self, held: HeldSeqs, block_size: int, num_blocks: int, knows_samples: bool,
-                 enabled: bool) -> None:
+                 enabled: bool, on_device: bool = False) -> None:
         self.held = held
         self.block_size = block_size
         self.num_blocks = num_blocks  # block ids are in [0, num_blocks)
         self.knows_samples = knows_samples  # the last stage: it sampled every input
         self.enabled = enabled
+        self.on_device = on_device
         self._lanes: dict[bytes, Lane] = {}
 
     def __len__(self) -> int:
@@ -164,7 +168,13 @@ class Lanes:
             else:
                 tokens = list(map(_LAST, map(_OUTPUTS, lane.states)))
             deque(map(list.append, lane.tokens, tokens), maxlen=0)
-            if held.builds_inputs and ahead and deferred:  # each input: the placeholder
+            if held.builds_inputs and ahead and deferred and self.on_device:
+                # One stage: placeholders (at the positions), which the record of the lane's
+                # step fills; every row an input that step left on the device.
+                inputs.input_ids = tokens
+                held.defer(lane.seq_ids, lane.positions)
+                inputs.ahead = list(zip(range(n), lane.seq_ids, repeat(k, n), strict=True))
+            elif held.builds_inputs and ahead and deferred:  # each input: the placeholder
                 inputs.input_ids = tokens  # just appended, which the late fill writes
                 inputs.lane_ahead = LaneAhead(lane.seq_ids, k, lane.tokens)
             elif held.builds_inputs:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from stage_worker.feedback import FeedbackStore, gather_device_inputs
+from stage_worker.feedback import FeedbackStore, gather_device_inputs, same_order_inputs
 from stage_worker.held_seqs import HeldSeqs, LaneAhead
 from stage_worker.host_transfer import copy_into, host_tensor, upload
 from stage_worker.lanes import Lane, Lanes
@@ -49,10 +49,11 @@ class StageRank:
         self.limits = StepLimits(cap.max_num_batched_tokens, cap.max_num_seqs, num_blocks,
                                  cap.block_size)
         # Steady decode continued in columns (see `lanes`): where a plan is checked and
-        # applied in one place, in a pipeline of several stages.
+        # applied in one place (TP size 1). A one-stage pipeline's run-ahead inputs are
+        # on the device.
         self.lanes = Lanes(self.held, cap.block_size, num_blocks, knows_samples=self.is_last,
-                           enabled=tp.size == 1 and not (self.is_first and self.is_last))
-        self._continued: tuple[StagePlan, Lane] | None = None  # checked, not yet applied
+                           enabled=tp.size == 1, on_device=self.is_first and self.is_last)
+        self._continued: tuple[StagePlan, Lane, bool] | None = None  # checked, not applied
 
     def check(self, plan: StagePlan) -> None:
         """Raise PlanError unless the stage can run `plan` (see `plan_check.check_plan`), or
@@ -66,7 +67,10 @@ class StageRank:
         if lane is None:
             check_plan(plan, self.held.seqs, self.limits, needs_tokens=self.is_first,
                        knows_samples=self.is_last)
-        self._continued = None if lane is None else (plan, lane)
+        # A one-stage pipeline leaves only the step before this one unresolved (`step`'s
+        # `deferred`): a lane of an older step has its tokens recorded.
+        self._continued = (None if lane is None
+                           else (plan, lane, lane.step_id == self.last_step_id))
         self.last_step_id = plan.step_id
 
     def continues_lane(self, plan: StagePlan) -> bool:
@@ -99,7 +103,8 @@ class StageRank:
         """
         continued, self._continued = self._continued, None
         if continued is not None and continued[0] is plan:
-            step = self.lanes.apply(continued[1], plan, deferred or late is not None)
+            step = self.lanes.apply(continued[1], plan,
+                                    (deferred and continued[2]) or late is not None)
         else:
             step = self.held.apply(plan, fed, deferred or late is not None)
             self.lanes.note(plan, step)
@@ -114,9 +119,14 @@ class StageRank:
                                  device=self.shape.device)
             fill = _lane_fill(step.lane_ahead, late)
         elif self.is_first:
-            inputs = upload(host_tensor(step.input_ids), self.shape.device)
-            if on_device is not None and step.ahead:
-                gather_device_inputs(inputs, step.ahead, on_device)
+            same = (None if on_device is None or not step.ahead
+                    else same_order_inputs(step.ahead, len(step.input_ids), on_device))
+            if same is not None:  # every row the token its sequence got at one step
+                inputs = same
+            else:
+                inputs = upload(host_tensor(step.input_ids), self.shape.device)
+                if on_device is not None and step.ahead:
+                    gather_device_inputs(inputs, step.ahead, on_device)
         else:
             inputs = self._share_activations(plan.num_tokens, upstream)
         if late is not None and step.ahead:
