@@ -36,7 +36,7 @@ from functools import cached_property
 import torch
 
 from stage_worker.dataplane import LinkClosedError, Transport, TransportError, TransportTimeout
-from stage_worker.host_transfer import to_device
+from stage_worker.host_transfer import host_tensor, to_device, upload
 
 log = logging.getLogger("stagemesh.stage")
 
@@ -248,20 +248,25 @@ class FeedbackStore:
         return tokens
 
 
-def same_order_inputs(ahead: Sequence[tuple[int, int, int]], num_rows: int,
-                      store: FeedbackStore) -> torch.Tensor | None:
-    """The input ids [T] of a step whose every row is a run-ahead input sampled at one step,
-    in the order that step sampled them (a one-stage pipeline's steady decode): a copy of
-    that step's ids on the device; None for any other step (`gather_device_inputs` then).
-    `ahead`: (row, seq_id, step) from `HeldSeqs.apply` or a lane, `num_rows` T."""
-    if len(ahead) != num_rows:
-        return None
-    rows, seq_ids, steps = zip(*ahead, strict=True)
-    tokens = store.get(steps[0])
-    if (tokens is None or tokens.device_ids is None or tokens.seq_ids != seq_ids
-            or steps.count(steps[0]) != num_rows or rows != tuple(range(num_rows))):
-        return None
-    return tokens.device_ids.clone()
+def device_inputs(input_ids: Sequence[int], ahead: Sequence[tuple[int, int, int]],
+                  store: FeedbackStore, device: torch.device) -> torch.Tensor:
+    """A one-stage pipeline's input ids [T] on `device`: `input_ids` with every run-ahead
+    row (`ahead`: (row, seq_id, step) from `HeldSeqs.apply` or a lane) the token its step
+    left on the device. A step whose every row is one, sampled at one step in the order
+    it sampled them (steady decode), is a copy of that step's ids, with no upload; any
+    other is uploaded and its run-ahead rows gathered (`gather_device_inputs`).
+    Raises FeedbackMissingError as `gather_device_inputs`."""
+    if ahead and len(ahead) == len(input_ids):
+        rows, seq_ids, steps = zip(*ahead, strict=True)
+        tokens = store.get(steps[0])
+        if (tokens is not None and tokens.device_ids is not None
+                and tokens.seq_ids == seq_ids and steps.count(steps[0]) == len(steps)
+                and rows == tuple(range(len(rows)))):
+            return tokens.device_ids.clone()
+    inputs = upload(host_tensor(input_ids), device)
+    if ahead:
+        gather_device_inputs(inputs, ahead, store)
+    return inputs
 
 
 def gather_device_inputs(inputs: torch.Tensor, ahead: Sequence[tuple[int, int, int]],

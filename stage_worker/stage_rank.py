@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from stage_worker.feedback import FeedbackStore, gather_device_inputs, same_order_inputs
+from stage_worker.feedback import FeedbackStore, device_inputs
 from stage_worker.held_seqs import HeldSeqs, LaneAhead
 from stage_worker.host_transfer import copy_into, host_tensor, upload
 from stage_worker.lanes import Lane, Lanes
@@ -118,15 +118,10 @@ class StageRank:
             inputs = torch.empty(len(step.input_ids), dtype=torch.int64,
                                  device=self.shape.device)
             fill = _lane_fill(step.lane_ahead, late)
+        elif on_device is not None:  # a one-stage pipeline: run-ahead inputs on the device
+            inputs = device_inputs(step.input_ids, step.ahead, on_device, self.shape.device)
         elif self.is_first:
-            same = (None if on_device is None or not step.ahead
-                    else same_order_inputs(step.ahead, len(step.input_ids), on_device))
-            if same is not None:  # every row the token its sequence got at one step
-                inputs = same
-            else:
-                inputs = upload(host_tensor(step.input_ids), self.shape.device)
-                if on_device is not None and step.ahead:
-                    gather_device_inputs(inputs, step.ahead, on_device)
+            inputs = upload(host_tensor(step.input_ids), self.shape.device)
         else:
             inputs = self._share_activations(plan.num_tokens, upstream)
         if late is not None and step.ahead:

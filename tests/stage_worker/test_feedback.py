@@ -19,6 +19,7 @@ from stage_worker.feedback import (
     FeedbackMissingError,
     FeedbackStore,
     StepTokens,
+    device_inputs,
     gather_device_inputs,
 )
 from stage_worker.leader import StageLeader
@@ -95,6 +96,21 @@ def test_device_inputs_come_from_the_ids_kept_on_the_device() -> None:
         gather_device_inputs(inputs, [(2, 8, 3)], store)
     with pytest.raises(ValueError, match="step 5: tokens neither on the host nor on the device"):
         StepTokens(5, (1,), None)
+
+
+def test_a_steady_steps_inputs_copy_the_ids_of_its_step_and_any_other_gathers() -> None:
+    store = FeedbackStore()
+    ids = torch.tensor([50, 60, 70])
+    store.put(StepTokens(2, (5, 6, 7), None, ids))
+    cpu = torch.device("cpu")
+    # Every row from step 2, in its order: a copy of its ids (not the kept tensor itself).
+    got = device_inputs([0, 0, 0], [(0, 5, 2), (1, 6, 2), (2, 7, 2)], store, cpu)
+    assert got.tolist() == [50, 60, 70] and got.data_ptr() != ids.data_ptr()
+    # Another order, a row not run-ahead, or none: the host ids with the rows gathered.
+    assert device_inputs([0, 0, 0], [(0, 7, 2), (1, 6, 2), (2, 5, 2)], store,
+                         cpu).tolist() == [70, 60, 50]
+    assert device_inputs([9, 0, 0], [(1, 5, 2), (2, 6, 2)], store, cpu).tolist() == [9, 50, 60]
+    assert device_inputs([1, 2], [], store, cpu).tolist() == [1, 2]
 
 
 def _leader(stage_index: int) -> StageLeader:
