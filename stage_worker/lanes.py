@@ -168,15 +168,13 @@ class Lanes:
             else:
                 tokens = list(map(_LAST, map(_OUTPUTS, lane.states)))
             deque(map(list.append, lane.tokens, tokens), maxlen=0)
-            if held.builds_inputs and ahead and deferred and self.on_device:
-                # One stage: placeholders (at the positions), which the record of the lane's
-                # step fills; every row an input that step left on the device.
-                inputs.input_ids = tokens
-                held.defer(lane.seq_ids, lane.positions)
-                inputs.ahead = list(zip(range(n), lane.seq_ids, repeat(k, n), strict=True))
-            elif held.builds_inputs and ahead and deferred:  # each input: the placeholder
-                inputs.input_ids = tokens  # just appended, which the late fill writes
-                inputs.lane_ahead = LaneAhead(lane.seq_ids, k, lane.tokens)
+            if held.builds_inputs and ahead and deferred:
+                inputs.input_ids = tokens  # each input: the placeholder just appended
+                if self.on_device:  # one stage: the record of the lane's step fills them;
+                    held.defer(lane.seq_ids, lane.positions)  # every row left on the device
+                    inputs.ahead = list(zip(range(n), lane.seq_ids, repeat(k, n), strict=True))
+                else:  # the late fill writes them
+                    inputs.lane_ahead = LaneAhead(lane.seq_ids, k, lane.tokens)
             elif held.builds_inputs:
                 inputs.input_ids = list(map(getitem, lane.tokens, lane.positions))
                 if ahead:
