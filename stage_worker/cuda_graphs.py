@@ -50,12 +50,27 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
     return below + tuple(b for b in BUCKETS if b >= max_batch)[:1]
 
 
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream this process's captures on `device` warm up on. cuBLAS keeps a
+    workspace for every stream it runs on, and torch hands out a different stream of its
+    pool (up to 32) for each `torch.cuda.Stream()`: a stream per capture held a workspace
+    per capture, memory the KV pool's sizing never saw."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = _capture_streams[index] = torch.cuda.Stream(index)
+    return stream
+
+
 def capture_graph(fn: Callable[[], T], pool: object, device: torch.device
             ) -> tuple[torch.cuda.CUDAGraph, T]:
-    """`fn` run twice eagerly on a side stream (Triton compiles, cuBLAS picks its kernels,
-    an NCCL communicator is created), then captured into a graph drawing on `pool`;
-    returns the graph and what the captured call returned (its output buffers)."""
-    stream = torch.cuda.Stream(device)
+    """`fn` run twice eagerly on the capture stream (Triton compiles, cuBLAS picks its
+    kernels, an NCCL communicator is created), then captured into a graph drawing on
+    `pool`; returns the graph and what the captured call returned (its output buffers)."""
+    stream = capture_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):

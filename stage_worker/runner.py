@@ -139,7 +139,7 @@ class StageRunner(ModelRunner):
         if graphs:
             self.graphs = self._capture_graphs()
             if len(cfg.layers):
-                self.mixed_graphs = self._capture_mixed_graphs()
+                self.mixed_graphs = self._capture_mixed_graphs(num_blocks * cfg.block_size)
         if cfg.device.type == "cuda" and PLATFORM.use_triton:  # norms, rope, SiLU: Triton
             self._warm_up()
         self.use_graphs = self.graphs is not None
@@ -173,12 +173,12 @@ class StageRunner(ModelRunner):
             dtype=cfg.dtype, device=cfg.device, max_batch=min(cfg.max_num_seqs, MAX_GRAPH_BATCH))
 
     @torch.inference_mode()
-    def _capture_mixed_graphs(self) -> MixedGraphs:
-        """Piecewise graphs of prefill and mixed steps (the scratch block's first slot takes
-        the padding rows' K/V)."""
+    def _capture_mixed_graphs(self, scratch_slot: int) -> MixedGraphs:
+        """Piecewise graphs of prefill and mixed steps (`scratch_slot`, the scratch block's
+        first slot, takes the padding rows' K/V)."""
         cfg, model_cfg = self.cfg, self.model_cfg
         return MixedGraphs(
-            self.model, self.kv.layers(), scratch_slot=self._num_blocks * cfg.block_size,
+            self.model, self.kv.layers(), scratch_slot=scratch_slot,
             input_shape=() if self.is_first else (model_cfg.hidden_size,), dtype=cfg.dtype,
             device=cfg.device, max_tokens=cfg.max_num_batched_tokens,
             head_dim=model_cfg.head_dim)
@@ -285,11 +285,12 @@ class StageRunner(ModelRunner):
         return self._profile_cuda()
 
     def _profile_cuda(self) -> int:
-        """Run the largest step once over a scratch pool; the KV pool gets what is left
-        under `gpu_memory_utilization` after weights and that activation peak."""
+        """Run the largest step once over a scratch pool, and capture the step graphs over it
+        (then drop them); the KV pool gets what is left under `gpu_memory_utilization` after
+        weights, that activation peak and the graphs' memory."""
         tokens = self.cfg.max_num_batched_tokens
         chunks = profile_chunks(tokens, self.cfg.max_num_seqs, self.cfg.block_size)
-        blocks = max(max(c.block_table) for c in chunks) + 1
+        blocks = max(max(c.block_table) for c in chunks) + 2  # the last: the graphs' scratch
         shape = self._pool_shape
         # The profiled step's own tables; the steps' tables are built once the pool exists.
         self.tables = BlockTables(len(chunks), max(len(c.block_table) for c in chunks),
@@ -301,17 +302,41 @@ class StageRunner(ModelRunner):
                  torch.zeros(tokens, self.model_cfg.hidden_size, dtype=self.cfg.dtype))
         self.execute(chunks, dummy)
         torch.cuda.synchronize(self.cfg.device)
-        peak = torch.cuda.max_memory_allocated(self.cfg.device)  # weights + activations
+        # Weights and activations, as the allocator holds them on the card (with its slack).
+        peak = torch.cuda.max_memory_reserved(self.cfg.device)
+        graphs = self._graphs_bytes(blocks - 1) if self._graphs_supported() else 0
         del self.kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.cfg.device)
         # This process's share of the card (stages sharing a GPU split it), minus what it
         # needs besides the pool; never more than is free now (other processes).
-        budget = min(int(total * self.cfg.gpu_memory_utilization) - peak,
+        budget = min(int(total * self.cfg.gpu_memory_utilization) - peak - graphs,
                      free - (1 << 30))
-        log.info("profile: peak %.2f GiB over %d tokens; KV budget %.2f GiB",
-                 peak / 2**30, tokens, budget / 2**30)
+        log.info("profile: peak %.2f GiB over %d tokens, step graphs %.2f GiB; KV budget "
+                 "%.2f GiB", peak / 2**30, tokens, graphs / 2**30, budget / 2**30)
         return shape.blocks_that_fit(budget)
+
+    def _graphs_bytes(self, scratch_block: int) -> int:
+        """The device memory this stage's step graphs hold (their memory pools, static
+        buffers and tables, the capture stream's cuBLAS workspace): captured over the
+        profile's pool, `scratch_block` as their padding rows' block, measured, dropped.
+        Captured after the pool is sized, they would take memory it had counted as its own
+        (stages sharing a card went over the card by theirs together)."""
+        device = self.cfg.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        max_blocks = -(-self.model_cfg.max_position_embeddings // self.cfg.block_size)
+        rows = max(self.cfg.max_held_seqs or 0, self.cfg.max_num_seqs)
+        self.tables = BlockTables(rows, max_blocks, self.cfg.block_size, device,
+                                  fill=scratch_block, num_blocks=scratch_block)
+        decode = self._capture_graphs()
+        mixed = (self._capture_mixed_graphs(scratch_block * self.cfg.block_size)
+                 if len(self.cfg.layers) else None)
+        torch.cuda.synchronize(device)
+        used = torch.cuda.memory_reserved(device) - before
+        del decode, mixed
+        self.tables.clear()
+        return used
 
 
 def profile_chunks(tokens: int, max_seqs: int, block_size: int) -> list[SeqChunk]:

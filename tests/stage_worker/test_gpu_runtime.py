@@ -4,6 +4,7 @@ one-stage run-ahead inputs gathered on the device."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -84,18 +85,26 @@ def test_decode_graphs_match_eager_steps(dtype: torch.dtype, tmp_path: Path) -> 
         assert (got - want).abs().max().item() <= tol * want.abs().max().item()
 
 
-def test_profiled_pool_with_graphs(tmp_path: Path) -> None:
-    """The serving configuration: no fixed pool size, so the runner profiles a step first,
-    sizes the pool from what is left, then captures its decode graphs."""
+def test_profiled_pool_with_graphs_stays_within_its_share(tmp_path: Path) -> None:
+    """The serving configuration: no fixed pool size, so the runner profiles a step and its
+    graphs first, sizes the pool from what is left, then captures its graphs. Everything it
+    holds on the card then fits its `gpu_memory_utilization` (stages sharing a card each
+    take a share; what one takes beyond it, the others lack)."""
     write_tiny_checkpoint("llama_head_dim_32", tmp_path)
     cfg = ModelConfig.from_dir(tmp_path)
+    gc.collect()
+    torch.cuda.empty_cache()  # earlier tests' cached blocks are not this runner's
+    share = 0.05
     runner = StageRunner(StageRunnerConfig(tmp_path, LayerRange(0, cfg.num_layers, True, True),
                                            torch.bfloat16, torch.device("cuda"), block_size=16,
-                                           gpu_memory_utilization=0.05), cfg)
-    assert runner.graphs is not None and runner.num_blocks > 0
+                                           gpu_memory_utilization=share), cfg)
+    assert runner.graphs is not None and runner.mixed_graphs is not None
+    assert runner.num_blocks > 0
     first = runner.execute([SeqChunk(0, 0, 20, [5, 9])], torch.arange(20))
     out = runner.execute([SeqChunk(0, 20, 1, [5, 9])], first.argmax(-1))
     assert out.shape == (1, cfg.vocab_size) and torch.isfinite(out).all()
+    total = torch.cuda.mem_get_info()[1]
+    assert torch.cuda.memory_reserved() <= share * total, (torch.cuda.memory_reserved(), total)
 
 
 def _cuda_leader(ckpt: Path, graphs: bool) -> StageLeader:
