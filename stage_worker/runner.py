@@ -334,8 +334,7 @@ class StageRunner(ModelRunner):
                  if len(self.cfg.layers) else None)
         torch.cuda.synchronize(device)
         used = torch.cuda.memory_reserved(device) - before
-        del decode, mixed
-        self.tables.clear()
+        del decode, mixed  # the constructor builds the steps' tables after the pool
         return used
 
 
