@@ -332,6 +332,9 @@ class StageRunner(ModelRunner):
         (stages sharing a card went over the card by theirs together)."""
         device = self.cfg.device
         torch.cuda.synchronize(device)
+        # A capture empties the allocator's cache (`torch.cuda.graph`): empty it first, or the
+        # profiled steps' cached blocks it frees come off the graphs' measure.
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         max_blocks = -(-self.model_cfg.max_position_embeddings // self.cfg.block_size)
         rows = max(self.cfg.max_held_seqs or 0, self.cfg.max_num_seqs)
