@@ -284,12 +284,11 @@ class StageRunner(ModelRunner):
         return self._profile_cuda()
 
     def _profile_cuda(self) -> int:
-        """Run the step shapes a stage will run eagerly over a scratch pool (the largest step,
-        every sequence sampling, then the warm-up's: the first alone left the allocator
-        holding 1.9 GiB less than they did on a llama3-8b stage), and capture the step graphs
-        over it (then drop them); the KV pool gets what is left under
-        `gpu_memory_utilization` after weights, the allocator's peak over those steps and
-        the graphs' memory."""
+        """Run the step shapes a stage runs eagerly over a scratch pool (the largest step,
+        every sequence sampling, then the warm-up's: the allocator keeps what the largest
+        of them took), and capture the step graphs over it (then drop them); the KV pool
+        gets what is left under `gpu_memory_utilization` after weights, the allocator's
+        peak over those steps and the graphs' memory."""
         cfg = self.cfg
         tokens = cfg.max_num_batched_tokens
         chunks = profile_chunks(tokens, cfg.max_num_seqs, cfg.block_size)
