@@ -310,14 +310,14 @@ class StageRunner(ModelRunner):
             self._warm_up(blocks - 1, "profiled")
         torch.cuda.synchronize(cfg.device)
         # Weights and activations, as the allocator holds them on the card (with its slack).
-        peak = torch.cuda.max_memory_reserved(self.cfg.device)
+        peak = torch.cuda.max_memory_reserved(cfg.device)
         graphs = self._graphs_bytes(blocks - 1) if self._graphs_supported() else 0
         del self.kv
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.cfg.device)
+        free, total = torch.cuda.mem_get_info(cfg.device)
         # This process's share of the card (stages sharing a GPU split it), minus what it
         # needs besides the pool; never more than is free now (other processes).
-        budget = min(int(total * self.cfg.gpu_memory_utilization) - peak - graphs,
+        budget = min(int(total * cfg.gpu_memory_utilization) - peak - graphs,
                      free - (1 << 30))
         log.info("profile: peak %.2f GiB over %d tokens, step graphs %.2f GiB; KV budget "
                  "%.2f GiB", peak / 2**30, tokens, graphs / 2**30, budget / 2**30)

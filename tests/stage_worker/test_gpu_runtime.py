@@ -87,9 +87,9 @@ def test_decode_graphs_match_eager_steps(dtype: torch.dtype, tmp_path: Path) -> 
 
 def test_profiled_pool_with_graphs_stays_within_its_share(tmp_path: Path) -> None:
     """The serving configuration: no fixed pool size, so the runner profiles a step and its
-    graphs first, sizes the pool from what is left, then captures its graphs. Everything it
-    holds on the card then fits its `gpu_memory_utilization` (stages sharing a card each
-    take a share; what one takes beyond it, the others lack)."""
+    graphs first, sizes the pool from what is left, then captures its graphs and warms up.
+    What PyTorch then reserves for it fits its `gpu_memory_utilization` (stages sharing a
+    card each take a share; what one takes beyond it, the others lack)."""
     write_tiny_checkpoint("llama_head_dim_32", tmp_path)
     cfg = ModelConfig.from_dir(tmp_path)
     gc.collect()
