@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
 from typing import TypeVar
 
 import torch
@@ -50,19 +50,17 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
     return below + tuple(b for b in BUCKETS if b >= max_batch)[:1]
 
 
-_capture_streams: dict[int, torch.cuda.Stream] = {}
-
-
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream this process's captures on `device` warm up on. cuBLAS keeps a
     workspace for every stream it runs on, and torch hands out a different stream of its
     pool (up to 32) for each `torch.cuda.Stream()`: a stream per capture held a workspace
     per capture, memory the KV pool's sizing never saw."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _capture_streams.get(index)
-    if stream is None:
-        stream = _capture_streams[index] = torch.cuda.Stream(index)
-    return stream
+    return _stream_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _stream_of(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
 
 
 def capture_graph(fn: Callable[[], T], pool: object, device: torch.device

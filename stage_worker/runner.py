@@ -121,8 +121,6 @@ class StageRunner(ModelRunner):
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.mixed_graphs: MixedGraphs | None = None
         self.use_graphs = False
-        max_blocks = -(-model_cfg.max_position_embeddings // cfg.block_size)
-        rows = max(cfg.max_held_seqs or 0, cfg.max_num_seqs)
         num_blocks = cfg.num_blocks if cfg.num_blocks is not None else self._blocks_that_fit()
         self._num_blocks = num_blocks
         graphs = self._graphs_supported()
@@ -134,8 +132,7 @@ class StageRunner(ModelRunner):
         )
         # The tables the steps use: ids checked against the pool; with graphs, the padding
         # row reads the scratch block.
-        self.tables = BlockTables(rows, max_blocks, cfg.block_size, cfg.device,
-                                  fill=num_blocks if graphs else -1, num_blocks=num_blocks)
+        self.tables = self._step_tables(num_blocks if graphs else -1, num_blocks)
         if graphs:
             self.graphs = self._capture_graphs()
             if len(cfg.layers):
@@ -146,6 +143,19 @@ class StageRunner(ModelRunner):
         log.info("stage layers %d-%d ready in %.1fs: %d KV blocks of %d tokens (%s)",
                  cfg.layers.start, cfg.layers.end - 1, time.monotonic() - started,
                  num_blocks, cfg.block_size, str(cfg.kv_dtype).removeprefix("torch."))
+
+    @property
+    def _table_blocks(self) -> int:
+        """The widest block table: the model's longest context, in blocks."""
+        return -(-self.model_cfg.max_position_embeddings // self.cfg.block_size)
+
+    def _step_tables(self, fill: int, num_blocks: int) -> BlockTables:
+        """The steps' block tables over a pool of `num_blocks` (ids checked against it): a
+        row for every sequence a stage holds at once; `fill` in the entries no sequence
+        wrote and the padding row (with graphs, the scratch block; else -1)."""
+        cfg = self.cfg
+        return BlockTables(max(cfg.max_held_seqs or 0, cfg.max_num_seqs), self._table_blocks,
+                           cfg.block_size, cfg.device, fill=fill, num_blocks=num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -296,8 +306,8 @@ class StageRunner(ModelRunner):
         shape = self._pool_shape
         # The profiled steps' own tables, wide enough for the warm-up's longest sequence;
         # the steps' tables are built once the pool exists.
-        width = min(-(-self.model_cfg.max_position_embeddings // cfg.block_size),
-                    max(max(len(c.block_table) for c in chunks), -(-tokens // cfg.block_size)))
+        width = min(self._table_blocks, max(max(len(c.block_table) for c in chunks),
+                                            -(-tokens // cfg.block_size)))
         self.tables = BlockTables(max(len(chunks), cfg.max_num_seqs), width, shape.block_size,
                                   cfg.device)
         self.kv = KVPool(KVPoolShape(shape.num_layers, blocks, shape.block_size, shape.kv_heads,
@@ -335,10 +345,7 @@ class StageRunner(ModelRunner):
         # profiled steps' cached blocks it frees come off the graphs' measure.
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
-        max_blocks = -(-self.model_cfg.max_position_embeddings // self.cfg.block_size)
-        rows = max(self.cfg.max_held_seqs or 0, self.cfg.max_num_seqs)
-        self.tables = BlockTables(rows, max_blocks, self.cfg.block_size, device,
-                                  fill=scratch_block, num_blocks=scratch_block)
+        self.tables = self._step_tables(scratch_block, scratch_block)
         decode = self._capture_graphs()
         mixed = (self._capture_mixed_graphs(scratch_block * self.cfg.block_size)
                  if len(self.cfg.layers) else None)
