@@ -6,9 +6,10 @@ computed) serves, for each rate in `--rates`, one seeded Poisson arrival schedul
 them in ABBA order, half each: direct gRPC (`router.client.RouterClient`) and streamed
 /v1/completions through the gateway. Interleaving puts both paths under the same load at the
 same moments, so their ratio holds on a shared, noisy machine; the rate is the load on the
-server, both paths together. Prompts are random token ids in the ordinary-token range;
-outputs have a fixed length (EOS ignored). `--warmup` requests per path go first, one at a
-time, and are not measured.
+server, both paths together. Prompts are random token ids in the ordinary-token range
+(`--prompt-kind ids`), or text of the same length under the model's tokenizer, which the
+front tokenizes (`--prompt-kind text`, as users' prompts are); outputs have a fixed length
+(EOS ignored). `--warmup` requests per path go first, one at a time, and are not measured.
 
 Metrics as vLLM's `bench serve`: TTFT from send to the first streamed token; TPOT per request
 = (last token - first token) / (output tokens - 1); ITL = the gaps between streamed chunks
@@ -54,22 +55,27 @@ import numpy as np
 
 from benchmarks.report import git_revision, print_table, write_json
 from benchmarks.serving_metrics import Result, ratio_row, summarize, table
+from benchmarks.text_prompts import FIRST_ORDINARY_ID, load_tokenizer, text_prompts
 from foundation.modelstore import resolve_model
 from router.client import RouterClient
 from stagemesh.local_mesh import Mesh, free_port
 
-FIRST_ORDINARY_ID = 100  # below: special and byte tokens of the default model
 PATHS = ("grpc", "http")
+PROMPT_KINDS = {"ids": "random token ids, EOS ignored",
+                "text": "text of random tokens, the prompt length under the model's "
+                        "tokenizer, EOS ignored"}
 W5 = {"rates": [2.0, 8.0, 32.0], "requests": 500, "prompt_len": 1024, "output_len": 128}
 
 
-Send = Callable[[list[int], int], Coroutine[Any, Any, Result]]
+Prompt = list[int] | str  # token ids, or text the front tokenizes (`--prompt-kind`)
+Send = Callable[[Prompt, int], Coroutine[Any, Any, Result]]
 
 
-async def grpc_request(client: RouterClient, prompt: list[int], out_len: int) -> Result:
+async def grpc_request(client: RouterClient, prompt: Prompt, out_len: int) -> Result:
     r = Result(time.perf_counter())
+    text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     try:
-        async for chunk in client.generate(token_ids=prompt, max_tokens=out_len,
+        async for chunk in client.generate(text, token_ids=ids, max_tokens=out_len,
                                            ignore_eos=True, temperature=0.0):
             if chunk.token_ids:
                 r.chunks.append(time.perf_counter())
@@ -79,7 +85,7 @@ async def grpc_request(client: RouterClient, prompt: list[int], out_len: int) ->
     return r
 
 
-async def http_request(http: httpx.AsyncClient, model: str, prompt: list[int],
+async def http_request(http: httpx.AsyncClient, model: str, prompt: Prompt,
                        out_len: int) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
@@ -124,7 +130,7 @@ def abba(paths: list[str], n: int) -> list[str]:
     return [paths[i % k] if (i // k) % 2 == 0 else paths[k - 1 - i % k] for i in range(n)]
 
 
-async def run_schedule(sends: list[Send], prompts: list[list[int]], arrivals: list[float],
+async def run_schedule(sends: list[Send], prompts: list[Prompt], arrivals: list[float],
                        out_len: int, start: float | None = None
                        ) -> tuple[list[Result], float]:
     """Request i (prompt i, sent by sends[i]) at arrivals[i] after `start` (a perf_counter
@@ -154,13 +160,19 @@ async def run_rate(client: RouterClient, http: httpx.AsyncClient, model: str,
         else arrivals
     n = len(arrivals)
     rng = np.random.default_rng([args.seed, index, 1])
-    prompts = [rng.integers(FIRST_ORDINARY_ID, vocab_size, args.prompt_len).tolist()
-               for _ in range(n + args.warmup * len(paths))]
+    count = n + args.warmup * len(paths)
+    prompts: list[Prompt]
+    if args.prompt_kind == "text":
+        tokenizer = load_tokenizer(resolve_model(args.model))
+        prompts = list(text_prompts(tokenizer, rng, count, args.prompt_len))
+    else:
+        prompts = [rng.integers(FIRST_ORDINARY_ID, vocab_size, args.prompt_len).tolist()
+                   for _ in range(count)]
 
-    async def via_grpc(prompt: list[int], out_len: int) -> Result:
+    async def via_grpc(prompt: Prompt, out_len: int) -> Result:
         return await grpc_request(client, prompt, out_len)
 
-    async def via_http(prompt: list[int], out_len: int) -> Result:
+    async def via_http(prompt: Prompt, out_len: int) -> Result:
         return await http_request(http, model, prompt, out_len)
 
     send: dict[str, Send] = {"grpc": via_grpc, "http": via_http}
@@ -270,6 +282,10 @@ def add_mesh_args(ap: argparse.ArgumentParser) -> None:
                          "(with '=' when it is one flag)")
     ap.add_argument("--prompt-len", type=int, default=W5["prompt_len"])
     ap.add_argument("--output-len", type=int, default=W5["output_len"])
+    ap.add_argument("--prompt-kind", choices=("ids", "text"), default="ids",
+                    help="ids: random ordinary token ids (no tokenization); text: text of "
+                         "--prompt-len tokens under the model's tokenizer, which the front "
+                         "tokenizes (benchmarks.text_prompts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
 
@@ -283,7 +299,7 @@ def base_config(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         "tp": args.tp, "transport": "gRPC control; data plane per hop: served.hop_transports",
         "prefix_caching": False,
         "serve_flags": " ".join(serve_flags(args)), "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "prompts": "random token ids, EOS ignored",
+        "output_len": args.output_len, "prompts": PROMPT_KINDS[args.prompt_kind],
         "seed": args.seed, "revision": git_revision()}
 
 

@@ -9,7 +9,9 @@ of `benchmarks.serving` do. guidellm starts first; its `--warmup` warm-up reques
 `--warmup-spacing` apart, and the moment the first reaches the router (polled over gRPC
 GetStats) is both clients' time 0. Same prompt and output lengths (EOS ignored); guidellm's
 prompts are synthetic text of `--prompt-len` tokens under the served model's own tokenizer,
-read from the model directory (no hub access). `--rounds` runs more schedules.
+read from the model directory (no hub access); ours are `benchmarks.serving`'s
+(`--prompt-kind`: token ids, which skip the front's tokenization, or text that the front
+tokenizes as it does guidellm's). `--rounds` runs more schedules.
 
 Three columns per round:
 - ours: `benchmarks.serving`'s figures (vLLM `bench serve` definitions).

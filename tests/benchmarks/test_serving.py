@@ -142,3 +142,26 @@ def test_guidellm_summary_maps_its_itl_to_our_tpot() -> None:
     assert (row["ok"], row["ttft_count"], row["ttft_ms_p99"]) == (3, 2, 400.0)
     assert (row["tpot_ms_mean"], row["tpot_ms_p50"], row["itl_ms_mean"]) == (15.0, 14.0, 15.0)
     assert row["tpot_incl_ttft_ms_mean"] == 50.0
+
+
+def test_text_prompts_have_the_length_under_the_model_and_the_front() -> None:
+    """`--prompt-kind text`: each prompt is exactly the asked number of tokens under HF
+    transformers' tokenizer of the default model and under the front's own encoding (what
+    the gateway's usage reports), and the prompts are seeded."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.text_prompts import load_tokenizer, text_prompts
+    from foundation.tokenizer import ModelTokenizer
+    from tests.default_model import default_model_dir
+
+    model_dir = default_model_dir()
+    tok = load_tokenizer(model_dir)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    front = ModelTokenizer.from_dir(model_dir)
+    for length in (1, 7, 64, 300):
+        prompts = text_prompts(tok, np.random.default_rng([3, length]), 4, length)
+        assert prompts == text_prompts(tok, np.random.default_rng([3, length]), 4, length)
+        assert len(set(prompts)) == 4
+        for p in prompts:
+            assert len(hf(p, add_special_tokens=False)["input_ids"]) == length
+            assert len(front.encode(p)) == length
