@@ -71,24 +71,27 @@ Prompt = list[int] | str  # token ids, or text the front tokenizes (`--prompt-ki
 Send = Callable[[Prompt, int], Coroutine[Any, Any, Result]]
 
 
-async def grpc_request(client: RouterClient, prompt: Prompt, out_len: int) -> Result:
+async def grpc_request(client: RouterClient, prompt: Prompt, out_len: int,
+                       temperature: float = 0.0) -> Result:
     r = Result(time.perf_counter())
     text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
     try:
         async for chunk in client.generate(text, token_ids=ids, max_tokens=out_len,
-                                           ignore_eos=True, temperature=0.0):
+                                           ignore_eos=True, temperature=temperature):
             if chunk.token_ids:
                 r.chunks.append(time.perf_counter())
                 r.tokens += len(chunk.token_ids)
+            if chunk.text and r.texted is None:
+                r.texted = time.perf_counter()
     except Exception as e:  # a failed request is counted, not fatal
         r.error = repr(e)
     return r
 
 
 async def http_request(http: httpx.AsyncClient, model: str, prompt: Prompt,
-                       out_len: int) -> Result:
+                       out_len: int, temperature: float = 0.0) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True}
     r = Result(time.perf_counter())
 
@@ -106,8 +109,12 @@ async def http_request(http: httpx.AsyncClient, model: str, prompt: Prompt,
                 event = json.loads(line[len("data: "):])
                 if event.get("usage"):
                     r.tokens = event["usage"]["completion_tokens"]
-                elif event.get("choices") and event["choices"][0].get("token_ids"):
-                    r.chunks.append(time.perf_counter())
+                elif event.get("choices"):
+                    choice = event["choices"][0]
+                    if choice.get("token_ids"):
+                        r.chunks.append(time.perf_counter())
+                    if choice.get("text") and r.texted is None:
+                        r.texted = time.perf_counter()
     except Exception as e:
         r.error = repr(e)
     return r
@@ -170,10 +177,10 @@ async def run_rate(client: RouterClient, http: httpx.AsyncClient, model: str,
                    for _ in range(count)]
 
     async def via_grpc(prompt: Prompt, out_len: int) -> Result:
-        return await grpc_request(client, prompt, out_len)
+        return await grpc_request(client, prompt, out_len, args.temperature)
 
     async def via_http(prompt: Prompt, out_len: int) -> Result:
-        return await http_request(http, model, prompt, out_len)
+        return await http_request(http, model, prompt, out_len, args.temperature)
 
     send: dict[str, Send] = {"grpc": via_grpc, "http": via_http}
     for i in range(args.warmup):  # connections, the gateway's model info, caches
@@ -282,6 +289,8 @@ def add_mesh_args(ap: argparse.ArgumentParser) -> None:
                          "(with '=' when it is one flag)")
     ap.add_argument("--prompt-len", type=int, default=W5["prompt_len"])
     ap.add_argument("--output-len", type=int, default=W5["output_len"])
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature (0: greedy)")
     ap.add_argument("--prompt-kind", choices=("ids", "text"), default="ids",
                     help="ids: random ordinary token ids (no tokenization); text: text of "
                          "--prompt-len tokens under the model's tokenizer, which the front "
@@ -300,6 +309,7 @@ def base_config(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         "prefix_caching": False,
         "serve_flags": " ".join(serve_flags(args)), "prompt_len": args.prompt_len,
         "output_len": args.output_len, "prompts": PROMPT_KINDS[args.prompt_kind],
+        "temperature": args.temperature,
         "seed": args.seed, "revision": git_revision()}
 
 

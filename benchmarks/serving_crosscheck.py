@@ -28,6 +28,13 @@ Three columns per round:
   the TPOT lines), and its mean is the mean chunk gap (our ITL mean, a chunk carrying one
   token). Its own TPOT, (last - send) / tokens, includes the TTFT: in the JSON only.
 
+guidellm's first token is its first chunk, and the gateway streams a chunk only when it
+has something to show: a token that decodes to no text (part of a character; with random
+weights, an id beyond the tokenizer's vocabulary) adds nothing for guidellm, where our
+client asks for `return_token_ids` and counts it. So ours also has "TTFT to first text",
+from send to the first chunk with text (`--temperature` as guidellm's requests, which
+sample at 1.0, for that comparison: a greedy row of random weights may never show text).
+
 guidellm needs its own environment (it pins its own dependencies and pulls in torch,
 datasets and sanic), e.g. `python -m venv /tmp/gl && /tmp/gl/bin/pip install guidellm`:
 
@@ -159,6 +166,11 @@ async def interleaved_round(mesh: Mesh, args: argparse.Namespace, index: int,
     row |= {f"ttft_write_ms_{k}": v for k, v in stats(
         [(r.chunks[0] - r.wrote) * 1e3 for r in results
          if r.error is None and r.chunks and r.wrote is not None]).items()}
+    # TTFT to the first chunk with text: the only first token guidellm can see
+    texted = [(r.texted - r.sent) * 1e3 for r in results
+              if r.error is None and r.texted is not None]
+    row |= {f"ttft_text_ms_{k}": v for k, v in stats(texted).items()}
+    row["ttft_text_count"] = len(texted)
     return row, guidellm_result(procs[0], workdir)
 
 
@@ -200,6 +212,8 @@ def guidellm_recomputed(bench: dict[str, Any], warmup: int, requests: int, out_l
                                              for r in ok])) if ok else float("nan")}
     row |= {f"ttft_ms_{k}": v for k, v in stats(ttft).items()}
     row |= {f"ttft_write_ms_{k}": v for k, v in stats(ttft).items()}  # its clock: the same
+    row |= {f"ttft_text_ms_{k}": v for k, v in stats(ttft).items()}  # its chunks all have text
+    row["ttft_text_count"] = len(ok)
     row |= {f"tpot_ms_{k}": v for k, v in stats(tpot).items()}
     # No per-chunk times in guidellm's records: only the chunk-weighted mean gap.
     row["itl_ms_mean"] = span / gaps if gaps else float("nan")
@@ -249,6 +263,9 @@ def side_by_side(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         figures += [(f"{name[:-3].upper()} {k} (ms)", f"{name}_{k}", "{:.1f}")
                     for k in ("mean", "p50", "p99")]
     figures += [(f"TTFT from header write {k} (ms)", f"ttft_write_ms_{k}", "{:.1f}")
+                for k in ("mean", "p50", "p99")]
+    figures += [("of which with text", "ttft_text_count", "{:.0f}")]
+    figures += [(f"TTFT to first text {k} (ms)", f"ttft_text_ms_{k}", "{:.1f}")
                 for k in ("mean", "p50", "p99")]
     figures += [("send lag mean (ms)", "send_lag_ms_mean", "{:.2f}"),
                 ("send lag p99 (ms)", "send_lag_ms_p99", "{:.2f}"),

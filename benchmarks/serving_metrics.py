@@ -27,6 +27,7 @@ class Result:
     tokens: int = 0
     error: str | None = None
     wrote: float | None = None  # HTTP: when the request's headers began to go out
+    texted: float | None = None  # when the first chunk with text arrived (a token may have none)
 
 
 def stats(values: list[float]) -> dict[str, float]:
