@@ -83,8 +83,12 @@ class ModelTokenizer:
         return template if isinstance(template, str) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Plain text prompt -> ids; a BOS is prepended when the model's config asks."""
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """Plain text prompt -> ids; a BOS is prepended when the model's config asks.
+
+        The ids of `Tokenizer.encode`, through `encode_batch_fast`, which skips the
+        offsets and releases the interpreter lock while it runs: a thread that tokenizes
+        a long prompt leaves the process's other threads running."""
+        ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         bos_id = self.tokenizer.token_to_id(self.special.bos) if self.special.bos else None
         if add_special_tokens and self.add_bos and bos_id is not None \
                 and (not ids or ids[0] != bos_id):

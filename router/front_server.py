@@ -191,4 +191,5 @@ class FrontServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.server.stop(grace=1.0)
+        self.servicer.validate.close()
         self.front.endpoint.close()

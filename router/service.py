@@ -47,12 +47,12 @@ from router.errors import (
 )
 from router.frontend import Frontend
 from router.outputs import ChoiceDelta, PromptLogprobs, RequestDone, RequestFailed, StreamItem
+from router.prompt_validation import RequestValidator
 from router.requests import GenerateRequest
 from router.tool_calls.parsers import ToolCallFormat
 from router.validation import (
     ValidationError,
     validate_prompt,
-    validate_request,
     validate_token_ids,
 )
 
@@ -73,8 +73,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         """`tool_parser`: the format tool calls are parsed from outputs in (the router's
         --tool-call-parser, resolved); None: only tool_choice none is served."""
         self.front = front
-        self.tool_parser = tool_parser
         self.tokenizer = tokenizer
+        self.validate = RequestValidator(tokenizer, tool_parser)  # long prompts off the loop
         self.model_name = model_name
         self.draining = False
         self.audit = audit or AuditLog(enabled=False)
@@ -140,8 +140,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             served = self._model(request.model)
             if self.draining:
                 raise UnavailableError("the router is draining; retry on another replica")
-            req = validate_request(generate_from_proto(request), served.info.limits,
-                                   self.tokenizer, self.tool_parser)
+            req = await self.validate(generate_from_proto(request), served.info.limits)
             request_id = req.request_id
             record.request_id, record.prompt_tokens = request_id, len(req.prompt_token_ids)
             if span is not None:
