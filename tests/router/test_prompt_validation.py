@@ -24,16 +24,13 @@ from router.requests import (
     ChatMessage,
     ChatPrompt,
     RawGenerateRequest,
-    RequestLimits,
     TextPrompt,
     TokenPrompt,
 )
 from router.validation import ValidationError, validate_request
 from tests.default_model import default_model_dir
+from tests.router.test_validation import LIMITS
 
-LIMITS = RequestLimits(max_model_len=8192, vocab_size=49152, max_tokens_cap=4096, max_n=8,
-                       max_logprobs=20, max_stop_sequences=4, max_stop_len=256,
-                       max_stop_token_ids=8, max_prompt_chars=100_000)
 BASE = RawGenerateRequest(request_id="r1", prompt=TokenPrompt((100, 101)), max_tokens=16)
 LONG_TEXT = "The quick brown fox jumps over the lazy dog; 你好 🎉. " * 60  # ~3,200 chars
 
