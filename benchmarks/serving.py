@@ -171,7 +171,7 @@ async def run_rate(client: RouterClient, http: httpx.AsyncClient, model: str,
     prompts: list[Prompt]
     if args.prompt_kind == "text":
         tokenizer = load_tokenizer(resolve_model(args.model))
-        prompts = list(text_prompts(tokenizer, rng, count, args.prompt_len))
+        prompts = [*text_prompts(tokenizer, rng, count, args.prompt_len)]
     else:
         prompts = [rng.integers(FIRST_ORDINARY_ID, vocab_size, args.prompt_len).tolist()
                    for _ in range(count)]
