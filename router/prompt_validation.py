@@ -12,7 +12,8 @@ The pool pays only where its threads find a free core. On a machine of 2 cores s
 the mesh's processes (the CI machine: W5-shaped text prompts of 1,024 tokens at 16 req/s
 on the null model, six pairs), it cut the streams' ITL p99 from 10.1 to 8.2 ms but added
 2 ms to the mean TTFT and 14 ms to its p99: the hand-off waited for a core. So a process
-that may run on fewer than `MIN_POOL_CORES` cores validates everything inline.
+that may use fewer than `MIN_POOL_CORES` cores (a container's CPU limit counts)
+validates everything inline.
 
 The outcome is the same either way: the `GenerateRequest` of `validate_request`, or its
 `ValidationError`.
@@ -21,9 +22,9 @@ The outcome is the same either way: the `GenerateRequest` of `validate_request`,
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 
+from foundation.cpus import usable_cores
 from router.requests import (
     ChatPrompt,
     GenerateRequest,
@@ -42,9 +43,10 @@ MIN_POOL_CORES = 4  # fewer usable cores: no pool (see the module)
 
 
 def default_workers() -> int:
-    """The pool's threads for this process: none under `MIN_POOL_CORES` usable cores,
-    else one per four cores, at most 4."""
-    cores = len(os.sched_getaffinity(0))
+    """The pool's threads for this process: none under `MIN_POOL_CORES` usable cores (its
+    affinity mask, at most its cgroup's CPU quota: `foundation.cpus`), else one per four
+    cores, at most 4."""
+    cores = usable_cores()
     return 0 if cores < MIN_POOL_CORES else min(4, cores // 4)
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 from typing import Literal
 
+from foundation import cpus
+
 CpuPolicy = Literal["normal", "batch"]
 CHOICES = ("auto", "normal", "batch")
 
@@ -41,10 +43,9 @@ def choose(asked: str, busy_processes: int, cores: int) -> CpuPolicy:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask), or all the machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """The cores this process may run on: its affinity mask (all the machine's where there
+    is none), at most its cgroup's CPU quota (`foundation.cpus`)."""
+    return cpus.usable_cores()
 
 
 def supported() -> bool:

@@ -94,7 +94,7 @@ def test_without_a_pool_every_prompt_validates_inline() -> None:
 
 def test_the_default_pool_follows_the_usable_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     for cores, want in ((1, 0), (2, 0), (3, 0), (4, 1), (8, 2), (16, 4), (64, 4)):
-        monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        monkeypatch.setattr("router.prompt_validation.usable_cores", lambda n=cores: n)
         assert default_workers() == want
 
 
