@@ -26,8 +26,6 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from foundation import cpus
-
 CpuPolicy = Literal["normal", "batch"]
 CHOICES = ("auto", "normal", "batch")
 
@@ -40,12 +38,6 @@ def choose(asked: str, busy_processes: int, cores: int) -> CpuPolicy:
     if asked not in ("normal", "batch"):
         raise ValueError(f"cpu policy {asked!r}: expected one of {', '.join(CHOICES)}")
     return "batch" if asked == "batch" else "normal"
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its affinity mask (all the machine's where there
-    is none), at most its cgroup's CPU quota (`foundation.cpus`)."""
-    return cpus.usable_cores()
 
 
 def supported() -> bool:

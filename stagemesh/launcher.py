@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from foundation.cpus import usable_cores
 from foundation.grpc_auth import STAGE_TOKEN_ENV
 from foundation.model_config import ModelConfig
 from foundation.modelstore import resolve_model
@@ -150,10 +151,11 @@ def _stage_env(args: argparse.Namespace, device: str) -> dict[str, str]:
     """The threads of a CPU stage's TP ranks: they compute at once and meet at a collective
     every layer, so each gets its share of the cores (as torchrun does), not all of them:
     tp ranks each spinning up a thread per core oversubscribe the host (decode ran 2.5x
-    slower with --tp 2 on 2 cores). An OMP_NUM_THREADS the user set is kept."""
+    slower with --tp 2 on 2 cores). The cores are those serve may use (a container's CPU
+    limit counts: `foundation.cpus`). An OMP_NUM_THREADS the user set is kept."""
     if device != "cpu" or args.tp == 1 or "OMP_NUM_THREADS" in os.environ:
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // args.tp))}
+    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // args.tp))}
 
 
 def build_children(args: argparse.Namespace, workdir: Path,
@@ -351,7 +353,7 @@ def set_cpu_policy(args: argparse.Namespace) -> cpu_policy.CpuPolicy | None:
         return None
     core = 1 if args.engine_core == "process" else 0  # a task of front 0: no process
     busy = args.stages * args.tp + core + args.api_processes  # stage ranks, core, fronts
-    cores = cpu_policy.usable_cores()
+    cores = usable_cores()
     policy = cpu_policy.choose(args.cpu_policy, busy, cores)
     if policy == "normal" and args.cpu_policy == "auto":
         return None

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from stagemesh import cpu_policy
+from stagemesh import cpu_policy, launcher
 from stagemesh.cli import main
 from stagemesh.launcher import set_cpu_policy
 
@@ -54,10 +54,10 @@ def test_auto_with_cores_to_spare_leaves_the_policy_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     applied: list[str] = []
     monkeypatch.setattr(cpu_policy, "apply", applied.append)
-    monkeypatch.setattr(cpu_policy, "usable_cores", lambda: 64)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 64)
     assert set_cpu_policy(_serve_args("auto")) is None
     assert set_cpu_policy(_serve_args("normal")) == "normal"  # asked: set, even if inherited
-    monkeypatch.setattr(cpu_policy, "usable_cores", lambda: 2)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
     assert set_cpu_policy(_serve_args("auto")) == "batch"  # 2 stages, core, front: 4 > 2
     # A core that is a task of the front is no process of its own: 1 stage and the front.
     assert set_cpu_policy(_serve_args("auto", stages=1, engine_core="task")) is None
