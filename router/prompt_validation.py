@@ -16,13 +16,15 @@ that may use fewer than `MIN_POOL_CORES` cores (a container's CPU limit counts)
 validates everything inline.
 
 The outcome is the same either way: the `GenerateRequest` of `validate_request`, or its
-`ValidationError`.
+`ValidationError`. The router's Tokenize call tokenizes the same way (`offload`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from foundation.cpus import usable_cores
 from router.requests import (
@@ -40,6 +42,8 @@ from router.validation import PromptEncoder, validate_request
 # tokenization they would take off the loop.
 INLINE_PROMPT_CHARS = 1024
 MIN_POOL_CORES = 4  # fewer usable cores: no pool (see the module)
+
+T = TypeVar("T")
 
 
 def default_workers() -> int:
@@ -83,10 +87,17 @@ class RequestValidator:
     async def __call__(self, raw: RawGenerateRequest, limits: RequestLimits
                        ) -> GenerateRequest:
         """The validated request. Raises ValidationError as `validate_request`."""
-        if self._pool is None or prompt_chars(raw.prompt) < self.inline_chars:
-            return validate_request(raw, limits, self.tokenizer, self.tool_parser)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, validate_request, raw, limits, self.tokenizer, self.tool_parser)
+        return await self.offload(prompt_chars(raw.prompt), validate_request, raw, limits,
+                                  self.tokenizer, self.tool_parser)
+
+    async def offload(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, work that tokenizes `chars` characters of prompt: on the pool from
+        `inline_chars` up (when there is a pool), else on the calling loop. Its result, or
+        its exception. For work whose cost is the tokenizer's encode (which releases the
+        interpreter lock), such as the Tokenize call's."""
+        if self._pool is None or chars < self.inline_chars:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         """Stop the pool; validations under way finish, queued ones are dropped."""

@@ -47,8 +47,8 @@ from router.errors import (
 )
 from router.frontend import Frontend
 from router.outputs import ChoiceDelta, PromptLogprobs, RequestDone, RequestFailed, StreamItem
-from router.prompt_validation import RequestValidator
-from router.requests import GenerateRequest
+from router.prompt_validation import RequestValidator, prompt_chars
+from router.requests import GenerateRequest, PromptInput, RequestLimits
 from router.tool_calls.parsers import ToolCallFormat
 from router.validation import (
     ValidationError,
@@ -217,10 +217,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Tokenize(self, request: pb.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         served = self._model(request.model)
-        ids = validate_prompt(prompt_from_proto(request), served.info.limits, self.tokenizer)
+        prompt = prompt_from_proto(request)
+        ids, tokens, text = await self.validate.offload(
+            prompt_chars(prompt), self._tokenized, prompt, served.info.limits)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens, prompt=text)
+
+    def _tokenized(self, prompt: PromptInput, limits: RequestLimits
+                   ) -> tuple[tuple[int, ...], list[str], str]:
+        """Tokenize's answer, on the loop or the validator's pool (a long prompt): the
+        prompt's ids, each id's token, and the text they decode to."""
+        ids = validate_prompt(prompt, limits, self.tokenizer)
         tokens = [self.tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
-        return pb.TokenizeResponse(token_ids=ids, tokens=tokens,
-                                   prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
+        return ids, tokens, self.tokenizer.decode(ids, skip_special_tokens=False)
 
     @unary_errors
     async def Detokenize(self, request: pb.DetokenizeRequest,

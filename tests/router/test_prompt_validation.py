@@ -1,6 +1,7 @@
 """The front's request validation by prompt length: long prompts are tokenized on the
 validator's pool, short ones and token ids on the caller's loop, with the outcome of
-`validate_request` either way; the tokenizer's encode releases the interpreter lock."""
+`validate_request` either way (and the Tokenize call's answer); the tokenizer's encode
+releases the interpreter lock."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from foundation.tokenizer import ModelTokenizer
+from protos.stagemesh.v1 import inference_pb2 as pb
+from router.core.messages import ServedInfo
 from router.prompt_validation import (
     INLINE_PROMPT_CHARS,
     RequestValidator,
@@ -27,6 +30,7 @@ from router.requests import (
     TextPrompt,
     TokenPrompt,
 )
+from router.service import InferenceServicer
 from router.validation import ValidationError, validate_request
 from tests.default_model import default_model_dir
 from tests.router.test_validation import LIMITS
@@ -134,3 +138,42 @@ def test_encode_releases_the_interpreter_lock_and_matches_transformers() -> None
     # Holding the lock, the encode thread would leave this one a tick every switch
     # interval (5 ms) at most: a few dozen in all. Released, it spins freely.
     assert ticks_while_encoding > 10_000
+
+
+def test_the_tokenize_call_tokenizes_a_long_prompt_on_the_pool() -> None:
+    """The router's Tokenize answers as before, a long text tokenized on the validator's
+    pool and a short one on the loop (the servicer reads only the front's `served`)."""
+    tok = ModelTokenizer.from_dir(default_model_dir())
+    hf = AutoTokenizer.from_pretrained(default_model_dir())
+    threads: list[str] = []
+    encode = tok.encode
+
+    def noting(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.current_thread().name)
+        return encode(text, add_special_tokens)
+
+    tok.encode = noting  # type: ignore[method-assign]
+
+    class Front:
+        served: asyncio.Future[ServedInfo]
+
+    async def run() -> list[pb.TokenizeResponse]:
+        front = Front()
+        front.served = asyncio.get_running_loop().create_future()
+        front.served.set_result(ServedInfo(LIMITS, "float32", 1, 1, 16))
+        servicer = InferenceServicer(front, tok, "m")  # type: ignore[arg-type]
+        servicer.validate.close()
+        servicer.validate = RequestValidator(tok, None, workers=1)
+        try:
+            return [await servicer.Tokenize(pb.TokenizeRequest(text=text), None)  # type: ignore[arg-type]
+                    for text in ("Hello world", LONG_TEXT)]
+        finally:
+            servicer.validate.close()
+
+    short, long = asyncio.run(run())
+    assert threads[0] == threading.current_thread().name
+    assert threads[1].startswith("validate")
+    assert list(short.token_ids) == hf("Hello world")["input_ids"] == [19556, 905]
+    assert list(long.token_ids) == hf(LONG_TEXT)["input_ids"]
+    assert list(long.tokens) == hf.convert_ids_to_tokens(hf(LONG_TEXT)["input_ids"])
+    assert long.prompt == LONG_TEXT
