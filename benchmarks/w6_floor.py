@@ -5,14 +5,18 @@ stages with a step thread each and stage 0's feedback thread, an engine core, a 
 built on the same stack (uvloop, grpc.aio, blocking sockets on a step thread), and this
 process as the clients: `--seqs` Generate streams, read as fast as they come. Whatever it
 costs a step, any mesh of this shape pays before it schedules, converts, checks, samples or
-detokenizes anything. The messages are W6's: plans `--plans-per-message` at a time (the
-mesh averages about 4) with `--window` steps in flight, one answer a step, the activation
+detokenizes anything. The messages are W6's: plans `--plans-per-message` at a time with
+`--window` steps in flight (the defaults, 4 and 6, were the mesh's when the floor was first
+measured; W6 now runs about 9 plans a message with up to 16 steps out, a shape that
+`--window 12 --plans-per-message 8` comes near), one answer a step, the activation
 hop ([rows, hidden] fp32) and the sampled ids' hop on a Unix-domain socket, as the mesh's
 stages of one host link them (`--hops tcp`: loopback TCP, the floor's shape until
 2026-12-07), one core -> front message a step, and a client response every
 `--stream-interval` tokens of a sequence. (The mesh's stage 0 now reads the sampled ids on
 its step thread, with no feedback thread; the skeleton keeps that thread, the shape its
-floor was measured with: docs/BENCHMARKS.md, W6.)
+floor was measured with: docs/BENCHMARKS.md, W6.) `--plans forwarded` prices a design the
+mesh does not run: stage 1's plans carried by stage 0 with the activations, not sent by the
+core (`w6_skeleton.core_main`).
 
 Steps per second and each process's CPU per step over `--window-s` seconds, beside the
 machine's Python speed (`report.python_ns_per_op`). Against W6 (`benchmarks.control_plane`)
@@ -80,8 +84,8 @@ async def _clients(port: int, seqs: int, steps: Any, pids: dict[str, int],
 
 
 def measure(seqs: int, micro_batches: int, hidden: int, interval: int, window: int,
-            per_message: int, window_s: float, run_dir: Path, hops: str = "unix"
-            ) -> dict[str, Any]:
+            per_message: int, window_s: float, run_dir: Path, hops: str = "unix",
+            forwarded: bool = False) -> dict[str, Any]:
     """One skeleton mesh up, measured, and down."""
     ctx = mp.get_context("spawn")
     rows = seqs // micro_batches
@@ -94,18 +98,19 @@ def measure(seqs: int, micro_batches: int, hidden: int, interval: int, window: i
         listening, ready = ctx.Event(), [ctx.Event(), ctx.Event()]
         procs["stage 1"] = ctx.Process(target=stage_main, args=(
             1, stage_ports[1], data_port, feedback_port, rows, hidden, micro_batches,
-            listening, ready[1], hops))
+            listening, ready[1], hops, forwarded))
         procs["stage 1"].start()
         listening.wait(30)
         procs["stage 0"] = ctx.Process(target=stage_main, args=(
             0, stage_ports[0], data_port, feedback_port, rows, hidden, micro_batches,
-            listening, ready[0], hops))
+            listening, ready[0], hops, forwarded))
         procs["stage 0"].start()
         if not all(r.wait(30) for r in ready):
             raise RuntimeError("the skeleton stages did not come up in 30 s")
         ready_core, ready_front = ctx.Event(), ctx.Event()
         procs["engine core"] = ctx.Process(target=core_main, args=(
-            tuple(stage_ports), uds_path, window, per_message, rows, steps, ready_core))
+            tuple(stage_ports), uds_path, window, per_message, rows, steps, ready_core,
+            forwarded))
         procs["engine core"].start()
         ready_core.wait(30)
         procs["front"] = ctx.Process(target=front_main, args=(
@@ -136,6 +141,10 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=6.0)
     ap.add_argument("--hops", choices=("unix", "tcp"), default="unix",
                     help="the activation and feedback hops' sockets")
+    ap.add_argument("--plans", choices=("each", "forwarded"), default="each",
+                    help="each: the core sends every stage its plans (the mesh's shape); "
+                    "forwarded: to stage 0 only, which forwards stage 1's with the "
+                    "activations (a design priced, not run)")
     ap.add_argument("--out", type=Path,
                     default=Path(f"benchmarks/results/w6-floor-{dt.date.today()}.json"))
     args = ap.parse_args()
@@ -144,6 +153,7 @@ def main() -> None:
         "grpc": grpc.__version__, "cpus": os.cpu_count(), "seqs": args.seqs,
         "micro_batches": args.micro_batches, "hidden": args.hidden, "window": args.window,
         "plans_per_message": args.plans_per_message, "hops": args.hops,
+        "plans": args.plans,
         "revision": git_revision(),
         "python_ns_per_op_before": round(python_ns_per_op(), 1)}
     print(config, flush=True)
@@ -151,7 +161,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="stagemesh-w6-floor-") as run_dir:
         for interval in (int(x) for x in args.stream_interval.split(",")):
             got = measure(args.seqs, args.micro_batches, args.hidden, interval, args.window,
-                          args.plans_per_message, args.window_s, Path(run_dir), args.hops)
+                          args.plans_per_message, args.window_s, Path(run_dir), args.hops,
+                          args.plans == "forwarded")
             rows.append({"stream_interval": interval, **got})
             print(rows[-1], flush=True)
     config["python_ns_per_op_after"] = round(python_ns_per_op(), 1)

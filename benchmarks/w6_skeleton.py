@@ -45,6 +45,7 @@ from protos.stagemesh.v1 import inference_pb2_grpc as pb_grpc
 from stage_worker.dataplane.handshake import UNIX_SEND_BUFFER_BYTES
 
 _HEADER = struct.Struct("<qq")  # step id, payload bytes: a data-plane message's framing
+_FORWARDED = struct.Struct("<qqq")  # step id, activation bytes, the next stage's plan bytes
 _LENGTH = struct.Struct("<I")  # the core -> front stream's framing
 
 
@@ -61,11 +62,16 @@ class _StageSkeleton(stage_grpc.StageServiceServicer):
     """A stage with no work: a step moves the step's bytes on the data plane, nothing else.
 
     `last`: receive activations, send feedback, answer every step; else wait for feedback,
-    send activations, answer nothing."""
+    send activations, answer nothing. `forwarded`: stage 1 gets each step's plan from stage
+    0, ahead of the step's activations, not from the core (see `core_main`)."""
 
     def __init__(self, last: bool, data: socket.socket, feedback: socket.socket,
-                 rows: int, hidden: int, lag: int) -> None:
+                 rows: int, hidden: int, lag: int, forwarded: bool = False) -> None:
         self.last, self.data, self.feedback, self.lag = last, data, feedback, lag
+        self.forwarded = forwarded
+        # What stage 0 forwards a step: the next stage's plan, as the core serialized it.
+        self.plan_bytes = stage_pb.StepPlan(step_id=1 << 40,
+                                            cached_batch=_plan_batch(rows)).SerializeToString()
         self.activations = bytes(rows * hidden * 4)
         self.inbox = memoryview(bytearray(len(self.activations)))
         self.ids = bytes(8 * 2 * rows)  # a step's sampled (seq id, token id) pairs
@@ -103,7 +109,27 @@ class _StageSkeleton(stage_grpc.StageServiceServicer):
                     while step_id - self.lag not in self.fed:
                         self.fed_cv.wait()
                     del self.fed[step_id - self.lag]
-            self.data.sendmsg([_HEADER.pack(step_id, len(self.activations)), self.activations])
+            if self.forwarded:
+                self.data.sendmsg([_FORWARDED.pack(step_id, len(self.activations),
+                                                   len(self.plan_bytes)),
+                                   self.plan_bytes, self.activations])
+            else:
+                self.data.sendmsg([_HEADER.pack(step_id, len(self.activations)),
+                                   self.activations])
+
+    def _forwarded_step(self) -> int:
+        """Stage 1's step thread with forwarded plans: the next step's plan and
+        activations from stage 0 (the plan parsed, as gRPC parsed it), its ids fed back."""
+        header = memoryview(bytearray(_FORWARDED.size))
+        _recv_exact(self.data, header)
+        step_id, size, plan_size = _FORWARDED.unpack(header)
+        plan = memoryview(bytearray(plan_size))
+        _recv_exact(self.data, plan)
+        stage_pb.StepPlan.FromString(plan)
+        assert size == len(self.inbox), size
+        _recv_exact(self.data, self.inbox)
+        self.feedback.sendmsg([_HEADER.pack(step_id, len(self.ids)), self.ids])
+        return int(step_id)
 
     async def Run(self, request_iterator: AsyncIterator[stage_pb.StepPlans],
                   context: grpc.aio.ServicerContext) -> AsyncIterator[stage_pb.StepResults]:
@@ -126,7 +152,17 @@ class _StageSkeleton(stage_grpc.StageServiceServicer):
                 scheduled = True
                 loop.call_soon_threadsafe(drain)
 
+        def forwarded_steps() -> None:  # step thread, for the life of the stream
+            nonlocal scheduled
+            while True:
+                ready.append(self._forwarded_step())
+                if not scheduled:
+                    scheduled = True
+                    loop.call_soon_threadsafe(drain)
+
         async def read_plans() -> None:
+            if self.last and self.forwarded:
+                self.worker.submit(forwarded_steps)
             async for plans in request_iterator:
                 for plan in plans.plans:
                     self.worker.submit(step, plan.step_id)
@@ -147,11 +183,12 @@ class _StageSkeleton(stage_grpc.StageServiceServicer):
 
 
 def stage_main(index: int, port: int, data_port: int, feedback_port: int, rows: int,
-               hidden: int, lag: int, listening: Any, ready: Any, hops: str) -> None:
+               hidden: int, lag: int, listening: Any, ready: Any, hops: str,
+               forwarded: bool = False) -> None:
     """Stage `index` (0 or 1) of the skeleton, serving `Run` on `port`; `listening` is set
     once stage 1 takes stage 0's activation link, `ready` once the stage serves. `hops`:
     "tcp" (loopback) or "unix" (an abstract name made from the port; the send buffer the
-    mesh's `unix` transport asks for)."""
+    mesh's `unix` transport asks for). `forwarded`: see `core_main`."""
     # Stage 1 listens for activations, stage 0 for feedback; each connects to the other.
     if index == 1:
         listener = _listen(hops, data_port)
@@ -167,7 +204,7 @@ def stage_main(index: int, port: int, data_port: int, feedback_port: int, rows: 
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER_BYTES)
         else:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    stage = _StageSkeleton(index == 1, data, feedback, rows, hidden, lag)
+    stage = _StageSkeleton(index == 1, data, feedback, rows, hidden, lag, forwarded)
     serve(lambda server: stage_grpc.add_StageServiceServicer_to_server(stage, server), port,
           ready)
 
@@ -207,10 +244,15 @@ def _plan_batch(rows: int) -> stage_pb.CachedBatch:
 
 
 def core_main(ports: tuple[int, int], uds_path: str, window: int, per_message: int,
-              rows: int, steps: Any, ready: Any) -> None:
+              rows: int, steps: Any, ready: Any, forwarded: bool = False) -> None:
     """The skeleton's engine core: `window` steps in flight on both stages' `Run` streams,
     plans sent once `per_message` fit; one message to the front (listening at `uds_path`,
-    `ready` set once it does) and one count in `steps` per answered step."""
+    `ready` set once it does) and one count in `steps` per answered step.
+
+    `forwarded`: plans go to stage 0 only, which forwards each step's plan for stage 1 with
+    the step's activations (a design the mesh does not run: this prices it). The core still
+    serializes stage 1's plans, as it would to hand them to stage 0; stage 1's stream then
+    carries only its answers."""
     import uvloop
 
     async def main() -> None:
@@ -246,10 +288,16 @@ def core_main(ports: tuple[int, int], uds_path: str, window: int, per_message: i
                     for i in range(n)])
                 next_step += n
                 inflight += n
-                await asyncio.gather(*(run.write(msg) for run in runs))
+                if forwarded:
+                    msg.SerializeToString()  # stage 1's plans, carried by stage 0's message
+                    await runs[0].write(msg)
+                else:
+                    await asyncio.gather(*(run.write(msg) for run in runs))
 
         async def read() -> None:
             nonlocal inflight
+            if forwarded:
+                await runs[1].write(stage_pb.StepPlans())  # opens its stream: answers only
             while True:
                 msg = await runs[1].read()
                 for _ in msg.results:
