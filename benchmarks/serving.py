@@ -18,8 +18,8 @@ not its text is empty); percentiles by linear interpolation. Throughput is over 
 (first send to last response). Goodput: the requests with TTFT <= --ttft-slo-ms and TPOT <=
 --tpot-slo-ms, as a share of the path's requests (failed ones count against it) and per
 second. The ratio rows are http / grpc. The JSON goes to --out (rewritten after each rate),
-the latency-vs-rate plot next to it (.png; skipped when matplotlib is not installed:
-`python -m benchmarks.serving_plot JSON` draws it later).
+the latency-vs-rate plot next to it (.png; skipped when matplotlib, the `bench` extra, is not
+installed: `python -m benchmarks.serving_plot JSON` draws it later).
 
 W5 on the GPU (`llama3-8b` shape, random bf16 weights; DIR = a tokenizer, e.g. the default
 model's directory, `stagemesh fetch-model` prints it):
@@ -357,8 +357,8 @@ def main() -> None:
     if plot_latency_vs_rate(rows, png, config):
         print(f"wrote {png}")
     else:
-        print("plot skipped: matplotlib is not installed (the JSON has the figures; "
-              "`python -m benchmarks.serving_plot JSON` draws it where matplotlib is)")
+        print("plot skipped: matplotlib is not installed (`pip install -e '.[bench]'`; the "
+              "JSON has the figures: `python -m benchmarks.serving_plot JSON` draws it)")
 
 
 if __name__ == "__main__":
