@@ -70,8 +70,8 @@ class _StageSkeleton(stage_grpc.StageServiceServicer):
         self.last, self.data, self.feedback, self.lag = last, data, feedback, lag
         self.forwarded = forwarded
         # What stage 0 forwards a step: the next stage's plan, as the core serialized it.
-        self.plan_bytes = stage_pb.StepPlan(step_id=1 << 40,
-                                            cached_batch=_plan_batch(rows)).SerializeToString()
+        self.plan_bytes = (stage_pb.StepPlan(step_id=1 << 40, cached_batch=_plan_batch(rows))
+                           .SerializeToString() if forwarded and not last else b"")
         self.activations = bytes(rows * hidden * 4)
         self.inbox = memoryview(bytearray(len(self.activations)))
         self.ids = bytes(8 * 2 * rows)  # a step's sampled (seq id, token id) pairs
