@@ -138,7 +138,7 @@ def test_wrong_token_refused_then_right_token_accepted(caplog: pytest.LogCapture
         with pytest.raises(LinkRefusedError):
             TcpTransport.connect(HOST, port, token=new_link_token(), timeout_s=5)
         with pytest.raises(LinkRefusedError):  # a right prefix is not enough
-            TcpTransport.connect(HOST, port, token=TOKEN[:-1] + b"\0", timeout_s=5)
+            TcpTransport.connect(HOST, port, token=TOKEN[:-1] + bytes([TOKEN[-1] ^ 1]), timeout_s=5)
         good = TcpTransport.connect(HOST, port, token=TOKEN, timeout_s=5)
         thread.join(5)
     with good, accepted["t"] as peer:
