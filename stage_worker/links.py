@@ -37,6 +37,10 @@ from stage_worker.dataplane.wire import MAX_TENSORS
 log = logging.getLogger("stagemesh.stage")
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+# A step's activations are done with within the step (decompressed, handed to the runner,
+# broadcast to the TP ranks or uploaded from a pinned copy, or sent on by a middle stage's
+# step): the upstream link writes the second step after them into their memory.
+LENT_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,8 @@ class DataPlaneLinks:
             inbound.link = link
         if inbound is self._feedback_in and self._on_feedback is not None:
             self._on_feedback(link)
+        if inbound is self._upstream:
+            link.lend_buffers(LENT_STEPS)
         inbound.ready.set()
 
     def _new_epoch(self, epoch: int) -> None:

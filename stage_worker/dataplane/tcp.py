@@ -21,7 +21,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -39,10 +39,10 @@ from stage_worker.dataplane.handshake import (
 )
 from stage_worker.dataplane.socket_io import DeadlineExpiredError, StreamReader, send_all
 from stage_worker.dataplane.transport import (
+    LENT_MAX_BYTES,
     LinkClosedError,
     LinkListener,
     LinkUnreachableError,
-    ProtocolError,
     Transport,
     TransportError,
     TransportTimeout,
@@ -56,6 +56,8 @@ from stage_worker.dataplane.wire import (
     decode_table,
     encode_header,
     encode_int64_header,
+    int64_payload,
+    tensor_payload,
     wire_tensor,
 )
 
@@ -96,6 +98,10 @@ class TcpTransport(Transport):
         # messages repeat a few layouts step after step (each micro-batch's activations, the
         # feedback's two vectors), and a table seen before is not decoded again.
         self._tables: dict[bytes, tuple[TensorHeader, ...]] = {}
+        # `lend_buffers`: how many messages' tensors are lent in turn, for `_layout` only.
+        self._lend_depth = 0
+        self._layout: tuple[TensorHeader, ...] = ()
+        self._lent: list[list[tuple[torch.Tensor, memoryview]]] = []
 
     @classmethod
     def connect(
@@ -188,11 +194,11 @@ class TcpTransport(Transport):
                 raise
 
     def recv_any(self, timeout_s: float | None = None) -> tuple[int, list[torch.Tensor]]:
-        return self._receive(timeout_s, _tensor_of)
+        return self._receive(timeout_s, tensor_payload)
 
     def recv_ints(self, timeout_s: float | None = None) -> tuple[int, list[Sequence[int]]]:
         """`Transport.recv_ints` without torch: each payload lands in an `array`."""
-        step_id, columns = self._receive(timeout_s, _int64_vector_of)
+        step_id, columns = self._receive(timeout_s, int64_payload)
         return step_id, list(columns)
 
     def _receive(self, timeout_s: float | None,
@@ -230,8 +236,10 @@ class TcpTransport(Transport):
                 f"no data-plane message from {self.peer} within {timeout_s}s",
                 link_closed=False) from None
         reader.consume(header_bytes)
-        # Limits are checked: allocate, then receive each payload into its memory.
-        made = [alloc(h) for h in headers]
+        # Limits are checked: allocate (or take the lent tensors' turn), then receive each
+        # payload into its memory.
+        made = (cast(list[tuple[_T, memoryview]], self._lent_tensors(headers))
+                if alloc is tensor_payload and self._lend_depth else [alloc(h) for h in headers])
         try:
             for _, view in made:
                 reader.read_into(view, deadline)
@@ -240,6 +248,30 @@ class TcpTransport(Transport):
                 f"data-plane message from {self.peer} incomplete after {timeout_s}s; "
                 "link closed", link_closed=True) from None
         return prefix.step_id, [value for value, _ in made]
+
+    def lend_buffers(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        with self._recv_lock:
+            self._lend_depth = depth
+
+    def _lent_tensors(self, headers: tuple[TensorHeader, ...]
+                      ) -> list[tuple[torch.Tensor, memoryview]]:
+        """`lend_buffers`: the tensors of the oldest of the last `depth` messages when this
+        message has their layout (a table decoded once is the same tuple each time); new
+        ones, kept in turn, otherwise."""
+        lent = self._lent
+        if headers is self._layout and len(lent) == self._lend_depth:
+            made = lent.pop(0)
+        else:
+            made = [tensor_payload(h) for h in headers]
+            if headers is not self._layout:
+                lent.clear()
+                self._layout = headers if sum(h.nbytes for h in headers) <= LENT_MAX_BYTES else ()
+            if not self._layout:
+                return made
+        lent.append(made)
+        return made
 
     def _headers(self, table: bytes, count: int) -> tuple[TensorHeader, ...]:
         """`decode_table` of `table`, or the headers it gave lately for the same bytes and
@@ -269,21 +301,6 @@ class TcpTransport(Transport):
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise LinkClosedError(f"data-plane link to {self.peer} is closed")
-
-
-def _tensor_of(header: TensorHeader) -> tuple[torch.Tensor, memoryview]:
-    tensor = torch.empty(header.shape, dtype=header.dtype)
-    return tensor, byte_view(tensor)
-
-
-def _int64_vector_of(header: TensorHeader) -> tuple[array[int], memoryview]:
-    """An int64 array for a 1-D int64 payload (host byte order, as the wire's); anything
-    else is a protocol error."""
-    if header.dtype != torch.int64 or len(header.shape) != 1:
-        raise ProtocolError(f"expected a 1-D int64 tensor, got {list(header.shape)} "
-                            f"{header.dtype}")
-    values = array("q", [0]) * header.shape[0]
-    return values, memoryview(values).cast("B")
 
 
 class TcpListener(LinkListener):

@@ -72,6 +72,9 @@ class StepMismatchError(TransportError):
         self.received_step_id = received_step_id
 
 
+LENT_MAX_BYTES = 1 << 20  # the largest message whose tensors `lend_buffers` reuses
+
+
 class Transport(abc.ABC):
     """One point-to-point, full-duplex link between two pipeline stages.
 
@@ -189,6 +192,15 @@ class Transport(abc.ABC):
         to start (no wait here). A transport that cannot tell without receiving says False;
         `tcp`, the feedback link's transport, tells."""
         return False
+
+    def lend_buffers(self, depth: int) -> None:
+        """From now on the tensors a receive returns are lent: the `depth`-th message after
+        them with the same layout may be written into them. For a receiver done with each
+        message's tensors before it receives `depth` more (a stage's activations, consumed
+        within their step), which then skips an allocation per message. Byte-stream links
+        (`tcp`, `unix`) lend messages up to `LENT_MAX_BYTES`; the others allocate as
+        before."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

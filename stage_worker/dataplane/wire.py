@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -316,3 +317,23 @@ def decode_hello(buf: bytes | bytearray | memoryview) -> int:
     if token_len > MAX_TOKEN_BYTES:
         raise ProtocolError(f"token of {token_len} bytes, the limit is {MAX_TOKEN_BYTES}")
     return int(token_len)
+
+
+# A receive's payload allocators: from a payload's checked header, what it lands in and
+# the writable bytes of that.
+
+
+def tensor_payload(header: TensorHeader) -> tuple[torch.Tensor, memoryview]:
+    """A tensor of the header's shape and dtype."""
+    tensor = torch.empty(header.shape, dtype=header.dtype)
+    return tensor, byte_view(tensor)
+
+
+def int64_payload(header: TensorHeader) -> tuple[array[int], memoryview]:
+    """An int64 array for a 1-D int64 payload (host byte order, as the wire's); anything
+    else is a protocol error."""
+    if header.dtype != torch.int64 or len(header.shape) != 1:
+        raise ProtocolError(f"expected a 1-D int64 tensor, got {list(header.shape)} "
+                            f"{header.dtype}")
+    values = array("q", [0]) * header.shape[0]
+    return values, memoryview(values).cast("B")
