@@ -54,6 +54,7 @@ class StageRank:
         self.lanes = Lanes(self.held, cap.block_size, num_blocks, knows_samples=self.is_last,
                            enabled=tp.size == 1, on_device=self.is_first and self.is_last)
         self._continued: tuple[StagePlan, Lane, bool] | None = None  # checked, not applied
+        self._lane_ids: dict[int, torch.Tensor] = {}  # a CPU stage's kept input ids, by size
 
     def check(self, plan: StagePlan) -> None:
         """Raise PlanError unless the stage can run `plan` (see `plan_check.check_plan`), or
@@ -115,8 +116,7 @@ class StageRank:
         fill: InputFill | None = None
         if step.lane_ahead is not None:  # every row is written by the late fill
             assert late is not None, "a lane's run-ahead step takes its tokens late"
-            inputs = torch.empty(len(step.input_ids), dtype=torch.int64,
-                                 device=self.shape.device)
+            inputs = self._lane_inputs(len(step.input_ids))
             fill = _lane_fill(step.lane_ahead, late)
         elif on_device is not None:  # a one-stage pipeline: run-ahead inputs on the device
             inputs = device_inputs(step.input_ids, step.ahead, on_device, self.shape.device)
@@ -151,6 +151,20 @@ class StageRank:
             buf = torch.empty(num_tokens, shape.hidden_size, dtype=shape.dtype,
                               device=shape.device)
         return self.tp.broadcast(buf)
+
+    def _lane_inputs(self, n: int) -> torch.Tensor:
+        """The input ids [n] of a lane's run-ahead step, every row written by the late fill.
+        On a CPU stage, one kept tensor per size, written again every step: the runner reads
+        it within the step, and nothing on a CPU holds it past that (a torch allocation after
+        the stage's wait costs as much as the rest of the fill). On a GPU, a new one: the
+        step's kernels read it after the host moved on."""
+        device = self.shape.device
+        if device.type != "cpu":
+            return torch.empty(n, dtype=torch.int64, device=device)
+        ids = self._lane_ids.get(n)
+        if ids is None:
+            ids = self._lane_ids[n] = torch.empty(n, dtype=torch.int64)
+        return ids
 
     def sample(self, chunks: Sequence[SeqChunk], scores: torch.Tensor) -> StepSample:
         """Last stage, rank 0: pick a token for every sampling chunk (chunk order) from the
@@ -187,7 +201,10 @@ def _lane_fill(ahead: LaneAhead, late: LateInputs) -> InputFill:
 
     def fill(ids: torch.Tensor) -> None:
         tokens = late(seq_ids, steps)
-        copy_into(ids, host_tensor(tokens))
+        if ids.is_cpu:  # one torch call where the copy from a host tensor takes three
+            ids.numpy()[:] = tokens
+        else:
+            copy_into(ids, host_tensor(tokens))
         for history, token in zip(histories, tokens, strict=True):
             history[-1] = token
     return fill

@@ -270,3 +270,27 @@ def test_a_continuation_that_differs_is_checked_as_before(
         for rank in (twins.on, twins.off):
             rank.held.note_sampling(3, (5,))
     assert twins.check(plan) == (False, said, said)
+
+
+def test_a_cpu_stage_writes_a_lanes_input_ids_into_one_kept_tensor() -> None:
+    """Consecutive continuations of one lane on a CPU first stage fill the same tensor, each
+    with its own step's tokens (the runner reads it within the step)."""
+    twins = _lane_made(0)
+    rank = twins.on
+    seen: list[tuple[torch.Tensor, list[int]]] = []
+    execute = rank.runner.execute
+
+    def recorded(chunks: list[SeqChunk], inputs: torch.Tensor, fill: object = None) -> object:
+        out = execute(chunks, inputs, fill)  # type: ignore[arg-type]
+        seen.append((inputs, inputs.tolist()))
+        return out
+    rank.runner.execute = recorded  # type: ignore[method-assign,assignment]
+    for step, (tokens, starts) in enumerate((((7, 8), {5: 15, 6: 16}),
+                                             ((9, 10), {5: 16, 6: 17}))):
+        plan = twins.plans(_decodes(4 + 2 * step, starts, 2 + 2 * step,
+                                    {6: (3,)} if step == 0 else {5: (4,)}))[0]
+        rank.check(plan)
+        assert rank.continues_lane(plan)
+        rank.step(plan, None, {}, late=lambda seqs, steps, t=tokens: list(t))
+    assert seen[0][0] is seen[1][0]
+    assert [ids for _, ids in seen] == [[7, 8], [9, 10]]
