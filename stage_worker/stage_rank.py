@@ -14,7 +14,7 @@ import torch
 
 from stage_worker.feedback import FeedbackStore, device_inputs
 from stage_worker.held_seqs import HeldSeqs, LaneAhead
-from stage_worker.host_transfer import copy_into, host_tensor, upload
+from stage_worker.host_transfer import host_tensor, upload, write_ints
 from stage_worker.lanes import Lane, Lanes
 from stage_worker.model_runner import InputFill, ModelRunner
 from stage_worker.parallel import TPGroup
@@ -131,7 +131,7 @@ class StageRank:
                 rows, seq_ids, steps = zip(*ahead, strict=True)
                 tokens = late(seq_ids, steps)
                 if len(rows) == ids.shape[0]:  # every row (rows ascend from 0): a decode step
-                    copy_into(ids, host_tensor(tokens))
+                    write_ints(ids, tokens)
                 else:
                     packed = upload(host_tensor([*rows, *tokens]), ids.device)
                     ids.index_copy_(0, packed[:len(rows)], packed[len(rows):])
@@ -201,10 +201,7 @@ def _lane_fill(ahead: LaneAhead, late: LateInputs) -> InputFill:
 
     def fill(ids: torch.Tensor) -> None:
         tokens = late(seq_ids, steps)
-        if ids.is_cpu:  # one torch call where the copy from a host tensor takes three
-            ids.numpy()[:] = tokens
-        else:
-            copy_into(ids, host_tensor(tokens))
+        write_ints(ids, tokens)
         for history, token in zip(histories, tokens, strict=True):
             history[-1] = token
     return fill

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from stage_worker.block_tables import BlockTables
-from stage_worker.host_transfer import HostCopy, copy_into, host_tensor, to_device, upload
+from stage_worker.host_transfer import (
+    HostCopy,
+    copy_into,
+    host_tensor,
+    to_device,
+    upload,
+    write_ints,
+)
 from stage_worker.step_input import SeqChunk, build_context
 
 CPU = torch.device("cpu")
@@ -44,6 +51,15 @@ def test_copy_into_overwrites_in_place(device: str) -> None:
     dst = torch.zeros(4, dtype=torch.int64, device=device)
     kept = dst
     copy_into(dst, host_tensor([5, -1, 2**63 - 1, 7]))
+    assert dst is kept and dst.cpu().tolist() == [5, -1, 2**63 - 1, 7]
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_write_ints_overwrites_in_place(device: str) -> None:
+    dst = torch.zeros(4, dtype=torch.int64, device=device)
+    kept = dst
+    write_ints(dst, (5, -1, 2**63 - 1, 7))
     assert dst is kept and dst.cpu().tolist() == [5, -1, 2**63 - 1, 7]
 
 
