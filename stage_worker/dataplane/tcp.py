@@ -261,15 +261,13 @@ class TcpTransport(Transport):
         message has their layout (a table decoded once is the same tuple each time); new
         ones, kept in turn, otherwise."""
         lent = self._lent
-        if headers is self._layout and len(lent) == self._lend_depth:
-            made = lent.pop(0)
-        else:
-            made = [tensor_payload(h) for h in headers]
-            if headers is not self._layout:
-                lent.clear()
-                self._layout = headers if sum(h.nbytes for h in headers) <= LENT_MAX_BYTES else ()
-            if not self._layout:
-                return made
+        if headers is not self._layout:  # a new layout: its turn starts (too large: none)
+            lent.clear()
+            self._layout = headers if sum(h.nbytes for h in headers) <= LENT_MAX_BYTES else ()
+        if not self._layout:
+            return [tensor_payload(h) for h in headers]
+        made = lent.pop(0) if len(lent) == self._lend_depth else [
+            tensor_payload(h) for h in headers]
         lent.append(made)
         return made
 
